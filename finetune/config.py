@@ -1,0 +1,214 @@
+"""Typed recipe: dataclass defaults are the real Mistral-7B LoRA run; a YAML recipe and `key=value` overrides change them.
+
+    recipe = load_recipe("recipes/tiny.yaml", ["train.max_steps=20", "lora.rank=8"])
+
+Unknown keys and wrong types fail at once, naming the key and the valid choices. The DeepSpeed JSON
+is resolved against the recipe in `finetune/ds_config.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+DEFAULT_RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "mistral7b_lora.yaml")
+
+
+class ConfigError(ValueError):
+    """A recipe or DeepSpeed config the user must fix; the message says what and how."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "models/Mistral-7B-v0.1"
+    """Local folder with config.json (+ safetensors weights, + tokenizer files). Download Mistral-7B there first."""
+    tokenizer: str | None = None
+    """Folder with tokenizer files; null = model.path; `mistral-common` = the Mistral-7B v0.1 tokenizer shipped in the mistral-common wheel."""
+    random_init: bool = False
+    """Build the model from config.json alone with seeded random weights (tests, benchmarks); implied when the folder holds no weights."""
+    init_seed: int = 0
+    """Seed of the random init (independent of train.seed, so data order and init can be varied separately)."""
+    attn_implementation: str = "sdpa"
+    """`sdpa`, `eager` or `flash_attention_2` (packing stays leak-free with each: masks or varlen from position_ids)."""
+    activation_checkpointing: Literal["none", "selective", "full"] = "full"
+    """`full` recomputes every decoder layer in backward, `selective` every second one, `none` keeps all activations."""
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = True
+    """false = full fine-tuning of every weight."""
+    rank: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/train.jsonl"
+    """Local JSON/JSONL/Parquet/CSV/Arrow file or a `datasets.save_to_disk` folder."""
+    format: str = "alpaca"
+    """A registered format: text, alpaca, instruction_output, interactions, sharegpt, messages, or a plugin's."""
+    plugins: list[str] = field(default_factory=list)
+    """Modules to import that register extra formats (`my_pkg.formats`)."""
+    eval_path: str | None = None
+    """Held-out file; if null, `eval_fraction` of the training data is held out."""
+    eval_fraction: float = 0.0
+    max_seq_len: int = 2048
+    overlong: Literal["drop", "truncate"] = "drop"
+    """What to do with samples longer than max_seq_len: drop (counted and reported) or truncate."""
+    train_on_inputs: bool = False
+    """Also train on system/user tokens (default: loss on the assistant's tokens and their EOS only)."""
+    packing: bool = True
+    """Pack several samples per row of max_seq_len tokens, attention isolated per sample."""
+    shuffle: bool = True
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-4
+    weight_decay: float = 0.1
+    """Decoupled (AdamW) decay; never applied to norms and biases."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio at train.max_steps."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 = off)."""
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = "runs/mistral7b-lora"
+    max_steps: int = 1000
+    """Optimizer steps."""
+    micro_batch_size: int = 4
+    """Rows per GPU per forward (a row is one sample, or several packed into max_seq_len tokens)."""
+    grad_accum: int = 1
+    seed: int = 42
+    """Seed of data order, dropout and every rank's RNG."""
+    eval_every: int = 100
+    """Optimizer steps between evals (0 = only at the end, if there is eval data)."""
+    log_every: int = 1
+    overwrite: bool = False
+    """Allow a non-empty output_dir (its old files are kept unless overwritten)."""
+    sample_prompt: str | None = None
+    """After training, greedily answer this prompt with the trained model and print it."""
+    sample_max_new_tokens: int = 64
+
+
+@dataclass
+class Recipe:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.train.max_steps > 0, "train.max_steps must be > 0"),
+            (self.train.micro_batch_size > 0, "train.micro_batch_size must be > 0"),
+            (self.train.grad_accum > 0, "train.grad_accum must be > 0"),
+            (self.data.max_seq_len > 1, "data.max_seq_len must be > 1"),
+            (0.0 <= self.data.eval_fraction < 1.0, "data.eval_fraction must be in [0, 1)"),
+            (len(self.optim.betas) == 2, "optim.betas must be two numbers, e.g. [0.9, 0.95]"),
+            (self.optim.lr > 0, "optim.lr must be > 0"),
+            (self.optim.warmup_steps >= 0, "optim.warmup_steps must be >= 0"),
+            (not self.lora.enabled or self.lora.rank > 0, "lora.rank must be > 0 (or set lora.enabled=false)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+
+def load_recipe(path: str | None = None, overrides: list[str] | None = None) -> Recipe:
+    """Read a YAML recipe (None = the default Mistral-7B LoRA recipe) and apply `section.key=value` overrides."""
+    path = path or DEFAULT_RECIPE
+    if not os.path.isfile(path):
+        raise ConfigError(f"recipe {path!r} not found: pass --config PATH to a YAML file (see recipes/)")
+    with open(path) as f:
+        try:
+            raw = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a recipe is a mapping of sections ({', '.join(_field_names(Recipe))})")
+    for item in overrides or []:
+        key, sep, text = item.partition("=")
+        if not sep or "." not in key:
+            raise ConfigError(f"override {item!r} is not section.key=value (e.g. train.max_steps=20)")
+        section, _, name = key.partition(".")
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"{path}: section {section!r} must be a mapping")
+        raw[section][name] = yaml.safe_load(text) if text != "" else ""
+    return _build(Recipe, raw, source=path)
+
+
+def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
+    return dataclasses.asdict(recipe)
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _build(cls: type, raw: dict, source: str, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = _field_names(cls)
+    kwargs = {}
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" Did you mean {prefix}{close[0]!r}?" if close else ""
+            raise ConfigError(f"{source}: unknown key {dotted!r}.{hint} Valid keys: {', '.join(prefix + n for n in names)}")
+        hint_type = hints[key]
+        if dataclasses.is_dataclass(hint_type):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: {dotted!r} must be a mapping of {', '.join(_field_names(hint_type))}")
+            kwargs[key] = _build(hint_type, value, source, prefix=f"{dotted}.")
+        else:
+            kwargs[key] = _coerce(value, hint_type, dotted, source)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], key, source)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{source}: {key} = {value!r} is not one of: {', '.join(map(str, args))}")
+        return value
+    if origin is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{source}: {key} must be a list, got {type(value).__name__} {value!r}")
+        return [_coerce(v, args[0], key, source) for v in value]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ConfigError(f"{source}: {key} must be {hint.__name__}, got {type(value).__name__} {value!r}")
+    return value

@@ -1,0 +1,143 @@
+"""Turn tokenized samples into this rank's micro-batches for each optimizer step, and into tensors.
+
+    loader = StepLoader(train_data, rows_per_micro=4, grad_accum=2, world=2, rank=0, capacity=2048, packing=True, seed=42)
+    for micro in loader.step(7): logits = model(input_ids=micro["input_ids"], position_ids=micro["position_ids"]).logits
+
+This is the one place where ranks meet data. The order of rows depends only on the seed and the epoch,
+never on the world size, so a step holds the same samples on 1 rank x accumulation 2 as on 2 ranks x 1,
+and a resumed run continues exactly where it stopped (the data position is the step number).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from finetune.data.packing import balance, pack_ffd
+
+IGNORE = -100
+
+
+@dataclass
+class TokenizedData:
+    """Samples stored flat: sample i is input_ids[offsets[i]:offsets[i+1]] (labels alike, unshifted)."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = self.offsets[i], self.offsets[i + 1]
+        return self.input_ids[a:b], self.labels[a:b]
+
+    @classmethod
+    def from_samples(cls, samples: list[tuple[list[int], list[int]]]) -> "TokenizedData":
+        lengths = [len(ids) for ids, _ in samples]
+        offsets = np.zeros(len(samples) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        flat = lambda k: np.fromiter((t for s in samples for t in s[k]), dtype=np.int32, count=int(offsets[-1]))
+        return cls(flat(0), flat(1), offsets)
+
+
+def epoch_rows(data: TokenizedData, capacity: int, packing: bool, shuffle: bool, seed: int, epoch: int) -> list[list[int]]:
+    """Rows (lists of sample indices) of one epoch, in training order."""
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(data)) if shuffle else np.arange(len(data))
+    if not packing:
+        return [[int(i)] for i in order]
+    lengths = data.lengths[order]
+    rows = [[int(order[j]) for j in row] for row in pack_ffd(lengths.tolist(), capacity)]
+    if shuffle:
+        rows = [rows[i] for i in rng.permutation(len(rows))]
+    return rows
+
+
+class StepLoader:
+    """This rank's micro-batches for any optimizer step; a step's global batch is rows_per_micro x grad_accum x world rows."""
+
+    def __init__(self, data: TokenizedData, rows_per_micro: int, grad_accum: int, world: int, rank: int,
+                 capacity: int, packing: bool, seed: int, pad_id: int, shuffle: bool = True):
+        self.data, self.mbs, self.gas, self.world, self.rank = data, rows_per_micro, grad_accum, world, rank
+        self.capacity, self.packing, self.seed, self.pad_id, self.shuffle = capacity, packing, seed, pad_id, shuffle
+        self.rows_per_step = rows_per_micro * grad_accum * world
+        # FFD packs the same multiset of lengths in every epoch, so every epoch has the same number of rows.
+        self.rows_per_epoch = len(epoch_rows(data, capacity, packing, False, seed, 0))
+        self.steps_per_epoch = math.ceil(self.rows_per_epoch / self.rows_per_step)
+        self._epoch, self._rows = -1, []
+
+    def position(self, step: int) -> tuple[int, int]:
+        """(epoch, step within the epoch) of optimizer step `step` (0-based)."""
+        return divmod(step, self.steps_per_epoch)
+
+    def step(self, step: int) -> list[dict[str, torch.Tensor]]:
+        epoch, index = self.position(step)
+        if epoch != self._epoch:
+            self._epoch, self._rows = epoch, epoch_rows(self.data, self.capacity, self.packing, self.shuffle, self.seed, epoch)
+        rows: list[list[int] | None] = list(self._rows[index * self.rows_per_step:(index + 1) * self.rows_per_step])
+        # The last step of an epoch is topped up with empty rows (no targets), so no sample is dropped or seen twice
+        # and every rank still runs the same number of forwards (ZeRO-3 gathers need all ranks).
+        rows += [None] * (self.rows_per_step - len(rows))
+        tokens = [self._row_tokens(r) for r in rows]
+        mine = [rows[i] for i in balance(tokens, self.world, self.mbs * self.gas)[self.rank]]
+        mine.sort(key=self._row_tokens, reverse=True)
+        return [collate(mine[k * self.mbs:(k + 1) * self.mbs], self.data, self.pad_id) for k in range(self.gas)]
+
+    def _row_tokens(self, row: list[int] | None) -> int:
+        return 0 if row is None else int(sum(self.data.lengths[i] for i in row))
+
+
+def eval_micro_batches(data: TokenizedData, rows_per_micro: int, world: int, rank: int, capacity: int,
+                       packing: bool, pad_id: int) -> list[dict[str, torch.Tensor]]:
+    """This rank's share of the eval rows; every rank gets the same number of micro-batches."""
+    rows: list[list[int] | None] = list(epoch_rows(data, capacity, packing, False, 0, 0))
+    per_rank = math.ceil(len(rows) / world / rows_per_micro) * rows_per_micro
+    rows += [None] * (per_rank * world - len(rows))
+    mine = rows[rank::world]
+    return [collate(mine[k:k + rows_per_micro], data, pad_id) for k in range(0, len(mine), rows_per_micro)]
+
+
+def collate(rows: list[list[int] | None], data: TokenizedData, pad_id: int) -> dict[str, torch.Tensor]:
+    """Rows of samples -> input_ids, position_ids (restarting per sample), targets (next token, -100 off-target).
+
+    Targets are shifted inside each sample, so no sample is ever trained to predict its neighbour's first token;
+    position_ids restarting at 0 is what tells transformers to isolate each sample's attention (a block-diagonal
+    causal mask with sdpa/eager, variable-length kernels with flash attention), so no attention_mask is passed.
+    """
+    ids_rows, pos_rows, tgt_rows, lengths = [], [], [], []
+    for row in rows:
+        ids, pos, tgt = [], [], []
+        for i in row or []:
+            s_ids, s_labels = data.sample(i)
+            ids.append(s_ids)
+            pos.append(np.arange(len(s_ids)))
+            tgt.append(np.append(s_labels[1:], IGNORE))
+            lengths.append(len(s_ids))
+        if not ids:  # an empty row: one pad token that trains nothing
+            ids, pos, tgt = [np.array([pad_id])], [np.array([0])], [np.array([IGNORE])]
+        ids_rows.append(np.concatenate(ids))
+        pos_rows.append(np.concatenate(pos))
+        tgt_rows.append(np.concatenate(tgt))
+    width = max(len(r) for r in ids_rows)
+    batch = {
+        "input_ids": torch.full((len(rows), width), pad_id, dtype=torch.long),
+        "position_ids": torch.zeros((len(rows), width), dtype=torch.long),
+        "targets": torch.full((len(rows), width), IGNORE, dtype=torch.long),
+    }
+    for b, (ids, pos, tgt) in enumerate(zip(ids_rows, pos_rows, tgt_rows)):
+        n = len(ids)
+        batch["input_ids"][b, :n] = torch.from_numpy(ids.astype(np.int64))
+        batch["position_ids"][b, :n] = torch.from_numpy(pos.astype(np.int64))
+        batch["position_ids"][b, n:] = torch.arange(width - n)  # padding is a sequence of its own
+        batch["targets"][b, :n] = torch.from_numpy(tgt.astype(np.int64))
+    batch["sample_lengths"] = torch.tensor(lengths, dtype=torch.long)
+    return batch

@@ -1,0 +1,121 @@
+"""The one home of rank helpers: who am I, start the process group, sum or average across ranks.
+
+    from finetune import dist
+    dist.init()                      # once per process, before deepspeed.initialize
+    mean_loss = dist.all_reduce_sum(total) / dist.all_reduce_sum(count)
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def adopt_openmpi_env() -> None:
+    """Under `mpirun`, take RANK/WORLD_SIZE/LOCAL_RANK from OpenMPI before DeepSpeed looks.
+
+    DeepSpeed's own MPI discovery compares hostnames and breaks when two "nodes" report the same one
+    (LOCAL_RANK (1) != OMPI_COMM_WORLD_LOCAL_RANK (0)), then hangs; setting the variables ourselves
+    makes it take the plain env:// path. MASTER_ADDR/PORT come from the launcher's environment.
+    """
+    if "OMPI_COMM_WORLD_RANK" not in os.environ or "RANK" in os.environ:
+        return
+    os.environ["RANK"] = os.environ["OMPI_COMM_WORLD_RANK"]
+    os.environ["WORLD_SIZE"] = os.environ["OMPI_COMM_WORLD_SIZE"]
+    os.environ["LOCAL_RANK"] = os.environ["OMPI_COMM_WORLD_LOCAL_RANK"]
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise RuntimeError(
+            "launched by mpirun without MASTER_ADDR/MASTER_PORT: use `zerotune launch --launcher openmpi`, "
+            "or export both (-x MASTER_ADDR=<first host> -x MASTER_PORT=<free port>)"
+        )
+
+
+def init(timeout_minutes: float = 30.0) -> None:
+    """Start the process group once (gloo on CPU, nccl on GPU), with a bounded timeout so a lost rank ends the job."""
+    import deepspeed
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return
+    adopt_openmpi_env()
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        if world_size() > 1:
+            raise RuntimeError("WORLD_SIZE > 1 but MASTER_PORT is not set: start the job with `deepspeed` or `zerotune launch`")
+        os.environ["MASTER_PORT"] = str(free_port())
+    deepspeed.init_distributed(
+        dist_init_required=True,
+        auto_mpi_discovery=False,
+        timeout=datetime.timedelta(minutes=timeout_minutes),
+    )
+    accelerator = deepspeed.get_accelerator()
+    if accelerator.device_name() != "cpu":
+        accelerator.set_device(local_rank())
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on at 127.0.0.1 right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def device() -> torch.device:
+    import deepspeed
+
+    accelerator = deepspeed.get_accelerator()
+    if accelerator.device_name() == "cpu":
+        return torch.device("cpu")
+    return torch.device(accelerator.device_name(), local_rank())
+
+
+def all_reduce_sum(value: float | torch.Tensor) -> torch.Tensor:
+    """Sum a scalar or tensor over all ranks (a float64 copy; the input is left alone)."""
+    t = torch.as_tensor(value, dtype=torch.float64).clone().detach()
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        backend_device = device()
+        t = t.to(backend_device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+        t = t.cpu()
+    return t
+
+
+def all_reduce_max(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        t = t.to(device())
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return float(t.cpu().item())
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
+
+
+def print0(*args, **kwargs) -> None:
+    """Print on rank 0 only, flushed (logs of several ranks interleave otherwise)."""
+    if is_main():
+        print(*args, **kwargs, flush=True)

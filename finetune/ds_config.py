@@ -1,0 +1,143 @@
+"""Resolve a DeepSpeed JSON against the recipe: fill the fields the recipe owns, refuse leftovers and contradictions.
+
+    ds = resolve_ds_config("ds_configs/zero3.json", recipe, world_size=2, hidden_size=4096)
+
+The JSON says how the engine shards (ZeRO stage, bf16, offload, buckets); the recipe says what to train.
+Fields the recipe owns are "auto" in our shipped JSONs; a user may also write the same value as the recipe,
+but a different value is an error naming both files, and an "auto" we do not know how to fill is an error too.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+from finetune.config import ConfigError, Recipe
+
+AUTO = "auto"
+
+
+def load_ds_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"DeepSpeed config {path!r} not found: pass --deepspeed ds_configs/zero3.json (or another file in ds_configs/)") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+
+
+def resolve_ds_config(
+    path: str, recipe: Recipe, world_size: int, hidden_size: int, recipe_path: str = "the recipe"
+) -> dict[str, Any]:
+    """The DeepSpeed config to hand to the engine, with every "auto" filled from the recipe."""
+    raw = load_ds_json(path)
+    ds = copy.deepcopy(raw)
+    t, o = recipe.train, recipe.optim
+    owned: list[tuple[tuple[str, ...], Any, str]] = [
+        (("train_micro_batch_size_per_gpu",), t.micro_batch_size, "train.micro_batch_size"),
+        (("gradient_accumulation_steps",), t.grad_accum, "train.grad_accum"),
+        (("train_batch_size",), t.micro_batch_size * t.grad_accum * world_size,
+         f"train.micro_batch_size x train.grad_accum x {world_size} ranks"),
+        (("gradient_clipping",), o.grad_clip, "optim.grad_clip"),
+        (("optimizer", "params", "lr"), o.lr, "optim.lr"),
+        (("optimizer", "params", "betas"), list(o.betas), "optim.betas"),
+        (("optimizer", "params", "eps"), o.eps, "optim.eps"),
+        (("optimizer", "params", "weight_decay"), o.weight_decay, "optim.weight_decay"),
+    ]
+    for keys, value, recipe_key in owned:
+        _fill(ds, keys, value, path, recipe_path, recipe_key)
+
+    zero = ds.setdefault("zero_optimization", {})
+    engine_auto = {
+        # HF's integration uses the same sizes: they scale with the model's width.
+        "reduce_bucket_size": hidden_size * hidden_size,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+        "stage3_param_persistence_threshold": 10 * hidden_size,
+    }
+    for key, value in engine_auto.items():
+        if zero.get(key) == AUTO:
+            zero[key] = value
+
+    if "optimizer" in ds and ds["optimizer"].get("type", "AdamW").lower() != "adamw":
+        raise ConfigError(f"{path}: optimizer.type {ds['optimizer']['type']!r}: zerotune trains with AdamW; remove the block or set \"AdamW\"")
+    if "scheduler" in ds:
+        raise ConfigError(
+            f"{path}: remove the 'scheduler' block: the recipe owns the schedule "
+            f"(optim.warmup_steps, optim.min_lr_ratio, train.max_steps in {recipe_path})"
+        )
+    if ds.get("fp16", {}).get("enabled") is True:
+        raise ConfigError(f"{path}: fp16 is not supported for Mistral (it overflows); use \"bf16\": {{\"enabled\": true}}")
+    if zero.get("stage", 0) not in (0, 1, 2, 3):
+        raise ConfigError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, got {zero.get('stage')!r}")
+
+    leftover = list(_find_auto(ds))
+    if leftover:
+        raise ConfigError(
+            f"{path}: {', '.join(leftover)} still \"auto\": zerotune fills only fields the recipe owns "
+            f"(batch sizes, clipping, optimizer values, ZeRO bucket sizes); write a number there"
+        )
+    ds.setdefault("steps_per_print", 10**9)  # our own progress line replaces DeepSpeed's
+    ds.setdefault("wall_clock_breakdown", False)
+    return ds
+
+
+def zero_stage(ds: dict[str, Any]) -> int:
+    return int(ds.get("zero_optimization", {}).get("stage", 0))
+
+
+def bf16_enabled(ds: dict[str, Any]) -> bool:
+    return bool(ds.get("bf16", {}).get("enabled", False))
+
+
+def offloads_optimizer(ds: dict[str, Any]) -> bool:
+    device = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    return device in ("cpu", "nvme")
+
+
+def engine_config(ds: dict[str, Any]) -> dict[str, Any]:
+    """What deepspeed.initialize gets: zerotune builds the optimizer and schedule itself (one code path on CPU, GPU and
+    offload, and exactly what the plain-PyTorch oracle does), so the filled optimizer block is documentation only."""
+    cfg = copy.deepcopy(ds)
+    cfg.pop("optimizer", None)
+    if offloads_optimizer(cfg):
+        # DeepSpeedCPUAdam is a DeepSpeed optimizer, but ZeRO checks the client optimizer's class by name.
+        cfg["zero_allow_untested_optimizer"] = True
+    return cfg
+
+
+def _fill(ds: dict, keys: tuple[str, ...], value: Any, path: str, recipe_path: str, recipe_key: str) -> None:
+    node = ds
+    for key in keys[:-1]:
+        if key not in node:
+            return
+        node = node[key]
+    last = keys[-1]
+    if last not in node:
+        node[last] = value if len(keys) == 1 else node.get(last, value)
+        return
+    current = node[last]
+    if current == AUTO:
+        node[last] = value
+    elif not _same(current, value):
+        raise ConfigError(
+            f"{path} sets {'.'.join(keys)} = {current!r} but {recipe_path} gives {recipe_key} = {value!r}: "
+            f"set it to \"auto\" in {path} (the recipe owns it) or change {recipe_key}"
+        )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return abs(float(a) - float(b)) <= 1e-12 * max(1.0, abs(float(b)))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _find_auto(node: Any, prefix: str = ""):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _find_auto(value, f"{prefix}{key}.")
+    elif node == AUTO:
+        yield prefix.rstrip(".")

@@ -1,0 +1,16 @@
+"""What `deepspeed finetune/main.py ...` runs.
+
+Python puts `finetune/` itself first on `sys.path` when this file is run as a script, so a module of
+ours named like a library would shadow it; put the repository root first instead and import the package.
+"""
+
+import os
+import sys
+
+if __name__ == "__main__":
+    here = os.path.dirname(os.path.abspath(__file__))
+    if sys.path and os.path.abspath(sys.path[0]) == here:
+        sys.path[0] = os.path.dirname(here)
+    from finetune.train import main
+
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Training FLOPs counted exactly for Mistral, throughput, memory, the progress line and metrics.jsonl.
+
+    log = MetricsLog(output_dir, max_steps); log.step({"step": 1, "loss": 2.3, ...})
+
+FLOPs follow the usual convention (a multiply-add is 2 FLOPs, backward is twice forward, recomputation by
+activation checkpointing is not counted, attention scores are counted over the full sample length).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from typing import Any
+
+import torch
+
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16
+
+
+def matmul_params(cfg) -> int:
+    """Weights used in matrix multiplies per token: grouped-query attention, SwiGLU MLP, lm_head (not the embedding lookup)."""
+    h, layers = cfg.hidden_size, cfg.num_hidden_layers
+    head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q = h * cfg.num_attention_heads * head_dim
+    kv = 2 * h * cfg.num_key_value_heads * head_dim
+    o = cfg.num_attention_heads * head_dim * h
+    mlp = 3 * h * cfg.intermediate_size  # gate, up, down
+    return layers * (q + kv + o + mlp) + h * cfg.vocab_size
+
+
+def training_flops(cfg, sample_lengths: list[int]) -> float:
+    """FLOPs of forward + backward over samples of these lengths: 6N per token plus attention scores and values."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    window = getattr(cfg, "sliding_window", None) or 1 << 62
+    dense = 6 * matmul_params(cfg) * sum(sample_lengths)
+    # QK^T and AV: 2 x 2 x heads x head_dim FLOPs per (query, key) pair, forward; x3 with backward.
+    attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * sum(n * min(n, window) for n in sample_lengths)
+    return float(dense + attn)
+
+
+def flops_per_token(cfg, seq_len: int) -> float:
+    return training_flops(cfg, [seq_len]) / seq_len
+
+
+def peak_tflops() -> float | None:
+    """Dense bf16 peak of this GPU, if we know it (MFU is left out otherwise)."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def peak_memory_gib() -> float:
+    """Peak accelerator memory allocated by this process, or peak resident memory on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def peak_reserved_gib() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_reserved() / 2**30
+    return peak_memory_gib()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class MetricsLog:
+    """metrics.jsonl in the run folder (rank 0) plus a one-line progress report with tokens/s and ETA."""
+
+    def __init__(self, output_dir: str | None, max_steps: int, enabled: bool, start_step: int = 0):
+        self.enabled, self.max_steps, self.start_step = enabled, max_steps, start_step
+        self.path = os.path.join(output_dir, "metrics.jsonl") if output_dir else None
+        self.t0 = time.perf_counter()
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled or self.path is None:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def progress(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        step = record["step"]
+        done = step - self.start_step
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / max(done, 1) * (self.max_steps - step)
+        mfu = f" | MFU {100 * record['mfu']:.1f}%" if record.get("mfu") is not None else ""
+        print(
+            f"step {step}/{self.max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"grad_norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s{mfu} | "
+            f"mem {record['peak_mem_gib']:.1f} GiB | ETA {_duration(eta)}",
+            file=sys.stderr, flush=True,
+        )

@@ -1,0 +1,103 @@
+"""Load Mistral from a local folder (or build it from config.json with seeded random weights), then checkpointing and LoRA.
+
+    model, keepalive = build_model(recipe.model, recipe.lora, ds_config)
+
+Under ZeRO-3 the model is built inside `zero.Init` (through transformers' HfDeepSpeedConfig), so each rank
+materialises only its own shard while loading: no rank ever holds the full model in RAM.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any
+
+import torch
+
+from finetune.config import ConfigError, LoraConfig, ModelConfig
+from finetune.ds_config import bf16_enabled, zero_stage
+
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+
+
+def check_model_dir(cfg: ModelConfig) -> dict[str, Any]:
+    """Read config.json from model.path, or explain how to get one; returns the config as a dict."""
+    config_file = os.path.join(cfg.path, "config.json")
+    if not os.path.isdir(cfg.path):
+        raise ConfigError(
+            f"model.path {cfg.path!r} does not exist. Download the weights first, e.g. "
+            f"`huggingface-cli download mistralai/Mistral-7B-v0.1 --local-dir {cfg.path}` on a machine with network, "
+            f"then run with model.path=/path/to/Mistral-7B-v0.1 (or try the tiny recipe: --config recipes/tiny.yaml)"
+        )
+    if not os.path.isfile(config_file):
+        raise ConfigError(f"model.path {cfg.path!r} has no config.json: point model.path at a Hugging Face model folder")
+    with open(config_file) as f:
+        return json.load(f)
+
+
+def has_weights(path: str) -> bool:
+    return any(glob.glob(os.path.join(path, pattern)) for pattern in WEIGHT_PATTERNS)
+
+
+def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, ds_config: dict[str, Any]):
+    """The model to hand to deepspeed.initialize, and an object that must stay alive until then (ZeRO-3's HfDeepSpeedConfig)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    check_model_dir(model_cfg)
+    dtype = torch.bfloat16 if bf16_enabled(ds_config) else torch.float32
+    # transformers consults a global weak reference: while this object lives, from_pretrained/from_config run
+    # under deepspeed.zero.Init and partition each layer as it is built.
+    keepalive = HfDeepSpeedConfig(ds_config) if zero_stage(ds_config) == 3 else None
+    config = AutoConfig.from_pretrained(model_cfg.path)
+    config.use_cache = False
+    if model_cfg.random_init or not has_weights(model_cfg.path):
+        torch.manual_seed(model_cfg.init_seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=model_cfg.attn_implementation)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_cfg.path, config=config, dtype=dtype, attn_implementation=model_cfg.attn_implementation
+        )
+    if model_cfg.activation_checkpointing != "none":
+        every = 1 if model_cfg.activation_checkpointing == "full" else 2
+        # Non-reentrant checkpointing works with frozen LoRA bases and ZeRO-3's parameter hooks.
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every)
+    if lora_cfg.enabled:
+        model = _apply_lora(model, lora_cfg, model_cfg.init_seed)
+    return model, keepalive
+
+
+def _apply_lora(model, cfg: LoraConfig, seed: int):
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    torch.manual_seed(seed + 1)  # the adapters' init must not depend on how much RNG loading consumed
+    peft_cfg = PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
+        task_type="CAUSAL_LM",
+        bias="none",
+    )
+    return get_peft_model(model, peft_cfg)
+
+
+def trainable_parameters(model) -> tuple[int, int]:
+    """(trainable, total) parameter counts; correct under ZeRO-3, where a partitioned parameter reports ds_numel."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = getattr(p, "ds_numel", p.numel())
+        total += n
+        trainable += n if p.requires_grad else 0
+    return trainable, total
+
+
+def resident_parameter_elements(model) -> int:
+    """Parameter elements this rank holds in memory right now (its ZeRO-3 partitions, or full tensors)."""
+    count = 0
+    for p in model.parameters():
+        shard = getattr(p, "ds_tensor", None)
+        count += shard.numel() if shard is not None else p.data.numel()
+    return count

@@ -1,0 +1,200 @@
+"""The training entry point: recipe + DeepSpeed JSON -> engine -> loop(forward, backward, step) -> eval, metrics.
+
+    deepspeed --num_gpus 2 finetune/main.py --deepspeed ds_configs/zero3.json --config recipes/tiny.yaml train.max_steps=20
+
+No Trainer class: the DeepSpeed engine owns accumulation, clipping, precision, ZeRO and the scheduler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from finetune.config import ConfigError, Recipe, load_recipe, recipe_to_dict
+from finetune.ds_config import engine_config, resolve_ds_config, zero_stage
+
+
+@dataclass
+class Run:
+    """Everything resolved and validated before any process group or model exists."""
+
+    recipe: Recipe
+    ds: dict[str, Any]
+    model_config: dict[str, Any]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="finetune/main.py", description="Fine-tune Mistral with DeepSpeed ZeRO.")
+    p.add_argument("--deepspeed", metavar="PATH", default="ds_configs/zero3.json", help="DeepSpeed JSON (ds_configs/)")
+    p.add_argument("--config", metavar="PATH", default=None, help="YAML recipe (default recipes/mistral7b_lora.yaml)")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    return p.parse_args(argv)
+
+
+def prepare(config: str | None, deepspeed_json: str, overrides: list[str]) -> Run:
+    """Load and check everything a user can get wrong, before any rank starts work (raises ConfigError)."""
+    from finetune import dist
+    from finetune.model import check_model_dir
+
+    recipe = load_recipe(config, overrides)
+    model_config = check_model_dir(recipe.model)
+    ds = resolve_ds_config(deepspeed_json, recipe, dist.world_size(), model_config["hidden_size"],
+                           recipe_path=config or "recipes/mistral7b_lora.yaml")
+    out = recipe.train.output_dir
+    if os.path.isdir(out) and os.listdir(out) and not recipe.train.overwrite:
+        raise ConfigError(f"train.output_dir {out!r} is not empty: choose a new one, or pass train.overwrite=true")
+    return Run(recipe, ds, model_config)
+
+
+def token_loss_sum(logits, targets):
+    """(sum of next-token cross-entropies over target positions, number of targets), in fp32."""
+    import torch.nn.functional as F
+
+    flat = targets.reshape(-1)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat, ignore_index=-100, reduction="sum")
+    return loss, int((flat != -100).sum())
+
+
+def train(run: Run) -> list[dict[str, Any]]:
+    """Train to max_steps; returns the metrics records (rank 0 also writes them to metrics.jsonl)."""
+    import deepspeed
+    import torch
+
+    from finetune import dist
+    from finetune.data import build_datasets
+    from finetune.data.loader import StepLoader
+    from finetune.data.tokenizer import load_tokenizer
+    from finetune.generate import answer
+    from finetune.metrics import MetricsLog, peak_memory_gib, peak_tflops, training_flops
+    from finetune.model import build_model, trainable_parameters
+    from finetune.optim import build_optimizer
+
+    r, t = run.recipe, run.recipe.train
+    dist.init()
+    world, rank = dist.world_size(), dist.rank()
+    torch.manual_seed(t.seed + rank)
+    os.makedirs(t.output_dir, exist_ok=True)
+    if dist.is_main():
+        with open(os.path.join(t.output_dir, "recipe.yaml"), "w") as f:
+            yaml.safe_dump(recipe_to_dict(r), f, sort_keys=False)
+        with open(os.path.join(t.output_dir, "ds_config.json"), "w") as f:
+            json.dump(run.ds, f, indent=2)
+        open(os.path.join(t.output_dir, "metrics.jsonl"), "w").close()
+
+    tokenizer = load_tokenizer(r.model.tokenizer or r.model.path)
+    train_data, eval_data, report = build_datasets(r.data, tokenizer, t.seed, os.path.join(t.output_dir, ".cache"))
+    dist.print0(f"data: {report.summary()}")
+
+    model, keepalive = build_model(r.model, r.lora, run.ds)
+    trainable, total = trainable_parameters(model)
+    dist.print0(f"model: {total:,} parameters, {trainable:,} trainable ({100 * trainable / total:.2f}%), "
+                f"ZeRO-{zero_stage(run.ds)}, {world} rank(s)")
+    optimizer, scheduler = build_optimizer(model, r.optim, t.max_steps, run.ds)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                      config=engine_config(run.ds))
+    device = dist.device()
+    synced = zero_stage(run.ds) == 3 and world > 1
+    samples = []
+
+    def sample(step: int) -> None:
+        if t.sample_prompt:
+            text = answer(engine.module, tokenizer, t.sample_prompt, t.sample_max_new_tokens, synced_gpus=synced)
+            samples.append({"step": step, "prompt": t.sample_prompt, "answer": text})
+            dist.print0(f"sample at step {step}: {t.sample_prompt!r} -> {text!r}")
+
+    loader = StepLoader(train_data, t.micro_batch_size, t.grad_accum, world, rank, r.data.max_seq_len,
+                        r.data.packing, t.seed, tokenizer.pad_id, shuffle=r.data.shuffle)
+    hf_config = engine.module.config
+    peak = peak_tflops()
+    log = MetricsLog(t.output_dir, t.max_steps, enabled=dist.is_main())
+    records = []
+    sample(0)
+    engine.train()
+    for step in range(t.max_steps):
+        start = time.perf_counter()
+        lr = optimizer.param_groups[0]["lr"]
+        micro_batches = loader.step(step)
+        n_targets = float(dist.all_reduce_sum(sum(int((mb["targets"] != -100).sum()) for mb in micro_batches)))
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for mb in micro_batches:
+            logits = engine(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device)).logits
+            token_sum, _ = token_loss_sum(logits, mb["targets"].to(device))
+            # DeepSpeed divides by grad_accum and averages over ranks; undo both so the step's gradient is
+            # sum(token losses of the whole global batch) / (its number of target tokens).
+            engine.backward(token_sum * (world * t.grad_accum / max(n_targets, 1.0)))
+            engine.step()
+            loss_sum += token_sum.detach().double().cpu()
+        lengths = [int(n) for mb in micro_batches for n in mb["sample_lengths"]]
+        tokens = float(dist.all_reduce_sum(sum(lengths)))
+        flops = float(dist.all_reduce_sum(training_flops(hf_config, lengths)))
+        elapsed = time.perf_counter() - start
+        grad_norm = engine.get_global_grad_norm()
+        record = {
+            "step": step + 1,
+            "loss": float(dist.all_reduce_sum(loss_sum)) / max(n_targets, 1.0),
+            "lr": lr,
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "tokens": int(tokens),
+            "target_tokens": int(n_targets),
+            "tokens_per_s": tokens / elapsed,
+            "tokens_per_s_per_gpu": tokens / elapsed / world,
+            "mfu": flops / elapsed / world / (peak * 1e12) if peak else None,
+            "step_time_s": elapsed,
+            "peak_mem_gib": dist.all_reduce_max(peak_memory_gib()),
+        }
+        records.append(record)
+        log.write(record)
+        if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
+            log.progress(record)
+        last = step + 1 == t.max_steps
+        if eval_data is not None and ((t.eval_every and (step + 1) % t.eval_every == 0) or last):
+            eval_loss = evaluate(engine, eval_data, r, world, rank, tokenizer.pad_id, device)
+            log.write({"step": step + 1, "eval_loss": eval_loss})
+            dist.print0(f"eval at step {step + 1}: loss {eval_loss:.4f}")
+    sample(t.max_steps)
+    if dist.is_main() and samples:
+        with open(os.path.join(t.output_dir, "samples.jsonl"), "w") as f:
+            f.writelines(json.dumps(s) + "\n" for s in samples)
+    dist.barrier()
+    del keepalive
+    return records
+
+
+def evaluate(engine, data, recipe: Recipe, world: int, rank: int, pad_id: int, device) -> float:
+    """Token-weighted mean loss over the whole eval set, summed over ranks."""
+    import torch
+
+    from finetune import dist
+    from finetune.data.loader import eval_micro_batches
+
+    engine.eval()
+    total = torch.zeros((), dtype=torch.float64)
+    count = 0
+    with torch.no_grad():
+        for mb in eval_micro_batches(data, recipe.train.micro_batch_size, world, rank, recipe.data.max_seq_len,
+                                     recipe.data.packing, pad_id):
+            logits = engine(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device)).logits
+            s, n = token_loss_sum(logits, mb["targets"].to(device))
+            total += s.double().cpu()
+            count += n
+    engine.train()
+    return float(dist.all_reduce_sum(total)) / max(float(dist.all_reduce_sum(count)), 1.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        run = prepare(args.config, args.deepspeed, args.overrides)
+    except ConfigError as e:
+        print(f"zerotune: error: {e}", file=sys.stderr)
+        return 2
+    train(run)
+    return 0
