@@ -173,7 +173,7 @@ def _build(cls: type, raw: dict, source: str, prefix: str = ""):
         dotted = f"{prefix}{key}"
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" Did you mean {prefix}{close[0]!r}?" if close else ""
+            hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""
             raise ConfigError(f"{source}: unknown key {dotted!r}.{hint} Valid keys: {', '.join(prefix + n for n in names)}")
         hint_type = hints[key]
         if dataclasses.is_dataclass(hint_type):
@@ -207,6 +207,11 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
         return [_coerce(v, args[0], key, source) for v in value]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):
+        try:  # YAML 1.1 reads 5e-3 (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
     if hint is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):

@@ -69,6 +69,11 @@ def resolve_ds_config(
         )
     if ds.get("fp16", {}).get("enabled") is True:
         raise ConfigError(f"{path}: fp16 is not supported for Mistral (it overflows); use \"bf16\": {{\"enabled\": true}}")
+    if zero.get("stage", 0) == 0 and ds.get("bf16", {}).get("enabled") is True:
+        raise ConfigError(
+            f"{path}: ZeRO-0 with \"bf16\" accumulates gradients in bf16 in DeepSpeed; use "
+            f"\"torch_autocast\": {{\"enabled\": true, \"dtype\": \"bfloat16\"}} instead (see ds_configs/zero0.json)"
+        )
     if zero.get("stage", 0) not in (0, 1, 2, 3):
         raise ConfigError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, got {zero.get('stage')!r}")
 

@@ -71,8 +71,10 @@ def filter_hosts(pool: dict[str, int], include: str = "", exclude: str = "") -> 
     if include:
         chosen = {host: (slots or active[host]) for host, slots in spec.items()}
     else:
-        chosen = {host: [s for s in ids if spec.get(host) != [] and s not in spec.get(host, [])] for host, ids in active.items()}
-        chosen = {host: ids for host, ids in chosen.items() if host not in spec or spec[host]}
+        chosen = {}
+        for host, ids in active.items():
+            dropped = spec.get(host)
+            chosen[host] = ids if dropped is None else [i for i in ids if dropped and i not in dropped]
     result = {host: sorted(chosen[host]) for host in pool if chosen.get(host)}
     if not result:
         raise HostfileError(f"--exclude {exclude!r} leaves no hosts to run on")

@@ -92,10 +92,11 @@ class MetricsLog:
         done = step - self.start_step
         elapsed = time.perf_counter() - self.t0
         eta = elapsed / max(done, 1) * (self.max_steps - step)
+        norm = f"{record['grad_norm']:.3f}" if record.get("grad_norm") is not None else "n/a"
         mfu = f" | MFU {100 * record['mfu']:.1f}%" if record.get("mfu") is not None else ""
         print(
             f"step {step}/{self.max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-            f"grad_norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s{mfu} | "
+            f"grad_norm {norm} | {record['tokens_per_s']:,.0f} tok/s{mfu} | "
             f"mem {record['peak_mem_gib']:.1f} GiB | ETA {_duration(eta)}",
             file=sys.stderr, flush=True,
         )

@@ -63,8 +63,11 @@ def token_loss_sum(logits, targets):
     return loss, int((flat != -100).sum())
 
 
-def train(run: Run) -> list[dict[str, Any]]:
-    """Train to max_steps; returns the metrics records (rank 0 also writes them to metrics.jsonl)."""
+def train(run: Run, on_end=None) -> list[dict[str, Any]]:
+    """Train to max_steps; returns the metrics records (rank 0 also writes them to metrics.jsonl).
+
+    `on_end(engine)`, if given, runs on every rank after the last step, while the engine still holds the model.
+    """
     import deepspeed
     import torch
 
@@ -79,6 +82,7 @@ def train(run: Run) -> list[dict[str, Any]]:
 
     r, t = run.recipe, run.recipe.train
     dist.init()
+    dist.barrier()  # every rank has checked the output dir (prepare) before rank 0 writes into it
     world, rank = dist.world_size(), dist.rank()
     torch.manual_seed(t.seed + rank)
     os.makedirs(t.output_dir, exist_ok=True)
@@ -141,7 +145,8 @@ def train(run: Run) -> list[dict[str, Any]]:
             "step": step + 1,
             "loss": float(dist.all_reduce_sum(loss_sum)) / max(n_targets, 1.0),
             "lr": lr,
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            # DeepSpeed reports no norm for ZeRO-0 in fp32 (it clips without keeping the value).
+            "grad_norm": float(grad_norm) if grad_norm is not None else None,
             "tokens": int(tokens),
             "target_tokens": int(n_targets),
             "tokens_per_s": tokens / elapsed,
@@ -163,9 +168,21 @@ def train(run: Run) -> list[dict[str, Any]]:
     if dist.is_main() and samples:
         with open(os.path.join(t.output_dir, "samples.jsonl"), "w") as f:
             f.writelines(json.dumps(s) + "\n" for s in samples)
+    if on_end is not None:
+        on_end(engine)
     dist.barrier()
-    del keepalive
+    _release(engine, keepalive)
     return records
+
+
+def _release(engine, keepalive) -> None:
+    """Free the engine and end zero.Init's hold on transformers, so a later run in this process starts clean."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    if hasattr(engine, "destroy"):
+        engine.destroy()
+    del keepalive
+    unset_hf_deepspeed_config()
 
 
 def evaluate(engine, data, recipe: Recipe, world: int, rank: int, pad_id: int, device) -> float:

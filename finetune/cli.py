@@ -1,0 +1,39 @@
+"""The `zerotune` command: argument dispatch only; each subcommand's logic lives in its own module.
+
+    zerotune train --deepspeed ds_configs/zero3.json --config recipes/tiny.yaml train.max_steps=20
+"""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: zerotune <command> [arguments]
+
+commands:
+  train       train in this process (use `deepspeed ... finetune/main.py` for several GPUs)
+  launch      run a multi-node job from a hostfile, after preflight checks
+  preprocess  tokenize a recipe's data into the cache and report samples, tokens, drops and pack fill
+
+`zerotune <command> --help` describes each command."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        from finetune.train import main as run
+    elif command == "launch":
+        from finetune.launcher import main as run
+    elif command == "preprocess":
+        from finetune.preprocess import main as run
+    else:
+        print(f"zerotune: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return run(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

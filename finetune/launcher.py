@@ -1,0 +1,498 @@
+"""Launch training on the hosts of a hostfile: preflight every host, write .deepspeed_env, run the exact `deepspeed`
+command, and end the whole job (naming the rank and host) when one rank is lost.
+
+    zerotune launch --hostfile hostfiles/two_nodes.example -- --deepspeed ds_configs/zero3.json --config recipes/x.yaml
+
+Also `python -m finetune.launcher ...`. Hostfile grammar and filters: finetune/hostfile.py; checks: finetune/preflight.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import ipaddress
+import os
+import queue
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from finetune.hostfile import HostfileError, filter_hosts, format_hostfile, load_hostfile, slurm_hosts
+from finetune.preflight import SSH_OPTIONS, Transport, run_preflight
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_SCRIPT = os.path.join(REPO, "finetune", "main.py")
+ENV_FILE = os.environ.get("DS_ENV_FILE", ".deepspeed_env")
+FORWARD_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_", "FI_", "UCX_", "HF_", "WANDB_", "ZEROTUNE_", "TRITON_", "OMP_")
+FORWARD_NAMES = (
+    "TORCH_EXTENSIONS_DIR", "TRANSFORMERS_OFFLINE", "CUDA_HOME", "LD_LIBRARY_PATH", "PYTORCH_CUDA_ALLOC_CONF",
+    "CUDA_DEVICE_MAX_CONNECTIONS", "TORCH_DISTRIBUTED_DEBUG", "TOKENIZERS_PARALLELISM", "DS_ACCELERATOR",
+)
+SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|CREDENTIAL")
+PDSH_SSH_ARGS = "-o BatchMode=yes -o ServerAliveInterval=10 -o ServerAliveCountMax=6"
+STOP_WAIT_S = 10.0
+
+# Runs over ssh on each host to stop this job only: the `deepspeed.launcher.launch` processes started with this
+# job's master address and port, and everything under them (DeepSpeed's own stop is `pkill -f` on any launch).
+_STOP_SNIPPET = r"""
+import sys, psutil
+want = {"deepspeed.launcher.launch", "--master_addr=" + sys.argv[1], "--master_port=" + sys.argv[2]}
+procs = []
+for p in psutil.process_iter(["cmdline"]):
+    if want <= set(p.info["cmdline"] or []):
+        try:
+            procs += [p] + p.children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+for p in procs:
+    try:
+        p.terminate()
+    except psutil.NoSuchProcess:
+        pass
+for p in psutil.wait_procs(procs, timeout=5)[1]:
+    p.kill()
+"""
+
+
+class LaunchError(RuntimeError):
+    """A launch the user must fix before anything starts; the message says what to do."""
+
+
+@dataclass
+class LaunchPlan:
+    """Everything `main` prints in a dry run and then runs."""
+
+    launcher: str
+    hosts: dict[str, list[int]]
+    hostfile: str
+    hostfile_text: str | None
+    """Text to write to `hostfile` before the launch (Slurm, or a filtered one for OpenMPI); None = the user's file."""
+    master_addr: str
+    master_port: int
+    local: bool
+    """A single host that is this machine: DeepSpeed runs it without ssh."""
+    command: list[str]
+    command_env: dict[str, str]
+    """Variables set for the command itself, printed as its prefix."""
+    env_file_text: str
+    train_args: list[str] = field(default_factory=list)
+
+    def ranks(self) -> dict[str, list[int]]:
+        """Global ranks per host, in hostfile order (the order DeepSpeed and mpirun assign them)."""
+        out, start = {}, 0
+        for host, slots in self.hosts.items():
+            out[host] = list(range(start, start + len(slots)))
+            start += len(slots)
+        return out
+
+    def transport(self) -> Transport:
+        return Transport("local" if self.local else "srun" if self.launcher == "slurm" else "ssh")
+
+    def exports(self) -> dict[str, str]:
+        """The .deepspeed_env variables, also set for the command: the single-host and Slurm paths never read the file."""
+        return dict(line.split("=", 1) for line in self.env_file_text.splitlines())
+
+    def shell_command(self) -> str:
+        return " ".join([f"{k}={shlex.quote(v)}" for k, v in self.command_env.items()] + [shlex.join(self.command)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`zerotune launch ...`; returns the exit code (0 = the job succeeded, or the dry run printed)."""
+    args, train_args = _parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        plan = build_plan(args, train_args, dict(os.environ))
+    except (LaunchError, HostfileError) as e:
+        return _fail(str(e), 2)
+    layout = "; ".join(f"{host}: {_span(ranks)}" for host, ranks in plan.ranks().items())
+    print(f"zerotune launch: {len(plan.hosts)} host(s), ranks {layout}; launcher {plan.launcher}, "
+          f"master {plan.master_addr}:{plan.master_port}")
+    if plan.hostfile_text is not None:
+        print(f"{plan.hostfile}:\n{plan.hostfile_text}", end="")
+    print(f"$ {plan.shell_command()}\n{ENV_FILE}:\n{plan.env_file_text}", end="", flush=True)
+    if args.dry_run:
+        print("dry run: nothing started")
+        return 0
+    try:
+        if not args.skip_preflight:
+            report = run_preflight(
+                {host: len(slots) for host, slots in plan.hosts.items()}, plan.transport(),
+                output_dir=output_dir_of(plan.train_args), master_addr=plan.master_addr, master_port=plan.master_port,
+            )
+            print(report.table(), flush=True)
+            if not report.ok:
+                return _fail("preflight failed, nothing was started; fix the FAIL lines above or pass --skip-preflight", 1)
+        for path, text in [(ENV_FILE, plan.env_file_text), (plan.hostfile, plan.hostfile_text)]:
+            if text is not None:
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                with open(path, "w") as f:
+                    f.write(text)
+    except (LaunchError, OSError) as e:
+        return _fail(str(e), 2)
+    return run_job(plan, grace=args.failure_grace)
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"zerotune launch: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(
+        prog="zerotune launch",
+        description="Run finetune/main.py on the hosts of a hostfile through DeepSpeed's runner.",
+        epilog="Everything after `--` goes to finetune/main.py: -- --deepspeed ds_configs/zero3.json --config recipes/x.yaml",
+    )
+    add = parser.add_argument
+    add("--hostfile", help="`HOST slots=N` lines; with --launcher slurm, where to write the one built from the job")
+    add("--launcher", choices=("pdsh", "openmpi", "slurm"), default="pdsh")
+    add("--include", default="", help="DeepSpeed syntax, e.g. `node1:0,1@node2` (whole hosts only for openmpi)")
+    add("--exclude", default="", help="DeepSpeed syntax, e.g. `node3` or `node1:7`")
+    add("--dry-run", action="store_true", help="print the command and .deepspeed_env, start nothing")
+    add("--skip-preflight", action="store_true", help="launch without checking the hosts first")
+    add("--master-port", type=int, default=0, help="default: a free port")
+    add("--master-addr", default="", help="default: the first host's address, as ssh resolves it")
+    add("--launcher-args", default="", help="extra arguments for pdsh, mpirun or srun, as one quoted string")
+    add("--failure-grace", type=float, default=20.0, help="seconds the other ranks get to stop after one fails")
+    add("--script", default=DEFAULT_SCRIPT, help="(advanced) the entry point to launch instead of finetune/main.py")
+    return parser.parse_args(argv[:split]), argv[split + 1 :]
+
+
+def build_plan(args: argparse.Namespace, train_args: list[str], environ: dict[str, str]) -> LaunchPlan:
+    """Resolve hosts, master address and port, the command and the .deepspeed_env text; writes and runs nothing."""
+    script = args.script
+    if train_args and train_args[0].endswith(".py"):  # `-- finetune/main.py --deepspeed ...` works too
+        script, train_args = train_args[0], train_args[1:]
+    script = os.path.abspath(script)
+    if script.startswith(os.getcwd() + os.sep):
+        script = os.path.relpath(script)
+    hostfile_text = None
+    if args.launcher == "slurm":
+        if args.include or args.exclude:
+            raise LaunchError("--include/--exclude do not apply to --launcher slurm: pick nodes with sbatch --nodelist/--exclude")
+        hosts = filter_hosts(slurm_hosts(environ))
+        hostfile = args.hostfile or os.path.join("runs", f"slurm-{environ.get('SLURM_JOB_ID', 'job')}.hostfile")
+        hostfile_text = format_hostfile(hosts)
+    elif not args.hostfile:
+        raise LaunchError("--hostfile is required (hostfiles/localhost runs on this machine alone)")
+    else:
+        hostfile = args.hostfile
+        pool = load_hostfile(hostfile)
+        hosts = filter_hosts(pool, args.include, args.exclude)
+        if args.launcher == "openmpi" and hosts != filter_hosts(pool):
+            if any(slots != list(range(pool[host])) for host, slots in hosts.items()):
+                raise LaunchError("openmpi places ranks on whole hosts: --include/--exclude hosts without `:slots`, or use pdsh")
+            hostfile_text = format_hostfile(hosts)
+            hostfile = os.path.join("runs", f"hostfile-{hashlib.sha256(hostfile_text.encode()).hexdigest()[:8]}")
+    first = next(iter(hosts))
+    master_addr = args.master_addr or (first if args.launcher == "slurm" else _address_of(first))
+    master_port = args.master_port or _free_port()
+    loopback = args.launcher != "slurm" and all(_is_loopback(_address_of(host)) for host in hosts)
+    local = args.launcher == "pdsh" and len(hosts) == 1 and (loopback or first == socket.gethostname())
+    deepspeed = [_deepspeed(), "--hostfile", hostfile, "--master_addr", master_addr, "--master_port", str(master_port)]
+    if local or (not args.skip_preflight and args.launcher != "slurm"):
+        deepspeed.append("--no_ssh_check")  # the preflight checked ssh, with a timeout; DeepSpeed's check has none
+    extra, command_env = shlex.split(args.launcher_args), {}
+    if args.launcher == "pdsh":
+        deepspeed += ["--include", args.include] if args.include else ["--exclude", args.exclude] if args.exclude else []
+        if len(hosts) == 1 and not local:
+            deepspeed.append("--force_multi")  # else DeepSpeed runs a one-host hostfile here, not on that host
+        if not local:
+            command_env["PDSH_SSH_ARGS_APPEND"] = f"{environ.get('PDSH_SSH_ARGS_APPEND', '')} {PDSH_SSH_ARGS}".strip()
+        command = deepspeed + (["--launcher_args", shlex.join(extra)] if extra else [])
+    elif args.launcher == "openmpi":
+        world = sum(map(len, hosts.values()))  # the same on every rank, as DeepSpeed's MPICH/IMPI runners set it
+        mpi = ["-x", f"MASTER_ADDR={master_addr}", "-x", f"MASTER_PORT={master_port}", "-x", f"WORLD_SIZE={world}"]
+        mpi += ["--allow-run-as-root"] if _is_root() else []
+        iface = "lo" if loopback else _plain_iface(environ)
+        mpi += ["--mca", "btl_tcp_if_include", iface, "--mca", "oob_tcp_if_include", iface] if iface else []
+        command = deepspeed + ["--launcher", "openmpi", "--force_multi", "--launcher_args", shlex.join(mpi + extra)]
+    else:
+        srun = ["srun", f"--nodes={len(hosts)}", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+        if environ.get("SLURM_GPUS_ON_NODE") or environ.get("SLURM_GPUS_PER_NODE"):
+            srun.append(f"--gpus-per-node={len(hosts[first])}")
+        if environ.get("SLURM_CPUS_ON_NODE"):
+            srun.append(f"--cpus-per-task={environ['SLURM_CPUS_ON_NODE']}")  # else the step's one task gets one core
+        node_rank = ["bash", "-c", 'exec "$0" --node_rank="$SLURM_NODEID" "$@"']
+        command = srun + extra + node_rank + deepspeed + ["--no_ssh"]
+    env_file_text = merge_env_file(_read(ENV_FILE), build_exports(environ, loopback=loopback))
+    return LaunchPlan(args.launcher, hosts, hostfile, hostfile_text, master_addr, master_port, local,
+                      command + [script, *train_args], command_env, env_file_text, train_args)
+
+
+def build_exports(environ: dict[str, str], *, loopback: bool = False) -> dict[str, str]:
+    """What every rank needs, taken from this environment: NCCL/GLOO/HF/... settings (never secrets), the venv's PATH,
+    PYTHONPATH with the repo root. All hosts on loopback: GLOO/NCCL_SOCKET_IFNAME default to `lo`."""
+    exports = {
+        key: value for key, value in environ.items()
+        if (key.startswith(FORWARD_PREFIXES) or key in FORWARD_NAMES) and not SECRET.search(key)
+    }
+    if loopback:
+        exports.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        exports.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    exports["PATH"] = _join_paths(os.path.dirname(sys.executable), environ.get("PATH", ""))
+    exports["PYTHONPATH"] = _join_paths(REPO, environ.get("PYTHONPATH", ""))
+    return dict(sorted(exports.items()))
+
+
+def merge_env_file(existing: str, exports: dict[str, str]) -> str:
+    """The user's KEY=VALUE lines kept in order, ours replacing a line of the same key or appended; blank lines dropped
+    (DeepSpeed's runner crashes on them)."""
+    lines: dict[str, str] = {}
+    for number, line in enumerate(existing.splitlines(), start=1):
+        if not line.strip():
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not key.strip():
+            raise LaunchError(f"{ENV_FILE}:{number}: {line!r} is not KEY=VALUE (DeepSpeed's runner would crash on it); fix or delete it")
+        lines[key.strip()] = value
+    lines.update(exports)
+    return "".join(f"{key}={value}\n" for key, value in lines.items())
+
+
+def output_dir_of(train_args: list[str]) -> str:
+    """train.output_dir as finetune/main.py will resolve it: a `train.output_dir=` override, else the recipe's."""
+    overrides = [a for a in train_args if "=" in a and not a.startswith("-")]
+    for item in reversed(overrides):
+        if item.startswith("train.output_dir="):
+            return item.partition("=")[2]
+    config = next((a.partition("=")[2] for a in train_args if a.startswith("--config=")), None)
+    if "--config" in train_args[:-1]:
+        config = train_args[train_args.index("--config") + 1]
+    from finetune.config import ConfigError, load_recipe
+
+    try:
+        return load_recipe(config, overrides).train.output_dir
+    except ConfigError as e:
+        raise LaunchError(f"cannot resolve train.output_dir for the preflight: {e}") from e
+
+
+def run_job(plan: LaunchPlan, *, grace: float) -> int:
+    """Run the command, echo its output, and when a rank fails give the others `grace` seconds, then stop all hosts."""
+    watch = JobWatch(plan.ranks())
+    proc = subprocess.Popen(
+        plan.command, env={**os.environ, **plan.exports(), **plan.command_env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, errors="replace", bufsize=1, start_new_session=True,  # Ctrl-C reaches us, not DeepSpeed's pkill
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+    threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if threading.current_thread() is threading.main_thread() else None
+    failed_at, stopped = None, False
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=0.5)
+            except queue.Empty:
+                line = ""
+            if line is None:
+                break
+            if line:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                new = watch.feed(line)
+                if new and failed_at is None:
+                    failed_at = time.monotonic()
+                    print(f"zerotune launch: {new}; the other ranks get {grace:.0f} s to stop", flush=True)
+            if failed_at is not None and not stopped and time.monotonic() - failed_at > grace:
+                print("zerotune launch: ranks still running; stopping the job on every host", flush=True)
+                _stop(plan, proc)
+                stopped = True
+        code = proc.wait()
+    except KeyboardInterrupt:
+        print("zerotune launch: interrupted; stopping the job on every host", flush=True)
+        _stop(plan, proc)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if watch.failures or code != 0:
+        print(f"zerotune launch: job failed: {watch.summary() or f'exit code {code}'}", file=sys.stderr, flush=True)
+        return code or 1
+    print("zerotune launch: job finished", flush=True)
+    return 0
+
+
+def _pump(stream, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop(plan: LaunchPlan, proc: subprocess.Popen) -> None:
+    """Stop this job only. pdsh: kill its processes on each host by master address and port, never SIGTERM DeepSpeed's
+    runner (its handler runs `pkill -f` on every DeepSpeed launch). mpirun/srun/local: SIGTERM our process group."""
+    if plan.launcher == "pdsh" and not plan.local:
+        script = shlex.join([sys.executable, "-c", _STOP_SNIPPET, plan.master_addr, str(plan.master_port)])
+        with ThreadPoolExecutor(max_workers=min(32, len(plan.hosts))) as pool:
+            for host, error in zip(plan.hosts, pool.map(lambda h: _run_quietly(["ssh", *SSH_OPTIONS, h, script]), plan.hosts)):
+                if error:
+                    print(f"zerotune launch: could not stop the ranks on {host}: {error}; check it by hand", flush=True)
+    elif proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=STOP_WAIT_S)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # what is left of our own process group: runner, pdsh, ssh
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _run_quietly(argv: list[str]) -> str:
+    """Run a command for at most 30 s; returns '' on success, else what went wrong."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
+    return "" if done.returncode == 0 else (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+
+
+@dataclass
+class Failure:
+    host: str
+    ranks: list[int]
+    how: str
+
+    def __str__(self) -> str:
+        who = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"a rank of {_span(self.ranks)}"
+        return f"{who} on {self.host} {self.how}"
+
+
+class JobWatch:
+    """Reads the job's output and recognises lost ranks as pdsh, mpirun and srun report them."""
+
+    _PDSH = re.compile(r"^pdsh@\S+: (\S+): ssh exited with exit code (\d+)")
+    _MPI_SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)")
+    _MPI_NAME = re.compile(r"Process name:\s+\[\[\d+,\d+\],(\d+)\]")
+    _MPI_CODE = re.compile(r"Exit code:\s+(\d+)")
+    _SRUN = re.compile(r"srun: error: (\S+): tasks? [\d,-]+: (.+)")
+    _PEER_GONE = re.compile(r"^(\S+): .*(Connection (closed|reset) by peer|Broken pipe|NCCL.*(abort|[Ww]atchdog)|timed out)")
+
+    def __init__(self, ranks: dict[str, list[int]]):
+        self.ranks = ranks
+        self.failures: list[Failure] = []
+        self.followers: set[str] = set()
+        """Hosts whose ranks complained that a peer went away: they failed because another one did."""
+        self._mpi_rank: int | None = None
+
+    def feed(self, line: str) -> Failure | None:
+        """Take one line of output; return the failure it reports, if it is a new one."""
+        if match := self._PEER_GONE.match(line):
+            self.followers.add(match[1])
+        failure = None
+        if match := self._PDSH.match(line):
+            failure = Failure(match[1], self.ranks.get(match[1], []), _exit_text(int(match[2]), ssh=True))
+        elif match := self._MPI_SIGNAL.search(line):
+            failure = Failure(match[2], [int(match[1])], f"was killed by signal {_signal_name(int(match[3]))}")
+        elif match := self._MPI_NAME.search(line):
+            self._mpi_rank = int(match[1])
+        elif (match := self._MPI_CODE.search(line)) and self._mpi_rank is not None:
+            rank, self._mpi_rank = self._mpi_rank, None
+            host = next((h for h, r in self.ranks.items() if rank in r), "?")
+            failure = Failure(host, [rank], _exit_text(int(match[1])))
+        elif match := self._SRUN.search(line):
+            failure = Failure(match[1], self.ranks.get(match[1], []), match[2].strip().lower())
+        if failure is None or any(f.host == failure.host and f.ranks == failure.ranks for f in self.failures):
+            return None
+        self.failures.append(failure)
+        return failure
+
+    def summary(self) -> str:
+        """The first failure of a host that did not just lose its peers, then the others."""
+        if not self.failures:
+            return ""
+        first = next((f for f in self.failures if f.host not in self.followers), self.failures[0])
+        rest = [str(f) for f in self.failures if f is not first]
+        return str(first) + (f" (after it: {'; '.join(rest)})" if rest else "")
+
+
+def _exit_text(code: int, ssh: bool = False) -> str:
+    if ssh and code == 255:
+        return "was lost: ssh exited with 255 (host down, network, or sshd)"
+    if 128 < code < 192:
+        return f"was killed by signal {_signal_name(code - 128)}"
+    if code >= 192:  # DeepSpeed's launch exits with -signal, which the shell sees as 256 - signal
+        return f"was killed by signal {_signal_name(256 - code)}"
+    return f"exited with code {code}"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return f"{number} ({signal.Signals(number).name})"
+    except ValueError:
+        return str(number)
+
+
+def _span(ranks: list[int]) -> str:
+    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}" if ranks else "none"
+
+
+def _address_of(host: str) -> str:
+    """The address ssh connects to for `host` (`ssh -G` reads the config, no traffic); localhost -> 127.0.0.1."""
+    try:
+        out = subprocess.run(["ssh", "-G", host], capture_output=True, text=True, timeout=5, stdin=subprocess.DEVNULL).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    address = next((line.split()[1] for line in out.splitlines() if line.startswith("hostname ")), host)
+    return "127.0.0.1" if address == "localhost" else address
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
+def _plain_iface(environ: dict[str, str]) -> str:
+    """NCCL/GLOO_SOCKET_IFNAME when it names one interface (not a list, prefix match or exclusion)."""
+    for key in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        value = environ.get(key, "")
+        if re.fullmatch(r"[\w.]+", value):
+            return value
+    return ""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def _deepspeed() -> str:
+    beside = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    return beside if os.path.exists(beside) else "deepspeed"
+
+
+def _join_paths(first: str, rest: str) -> str:
+    parts = [first] + [p for p in rest.split(os.pathsep) if p]
+    return os.pathsep.join(dict.fromkeys(parts))
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Test helpers: a saved tiny random Mistral, DeepSpeed JSON variants, and launching ranks on loopback only."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VENV_BIN = os.path.dirname(sys.executable)
+TINY_CONFIG = os.path.join(ROOT, "recipes", "tiny_model", "config.json")
+TINY_RECIPE = os.path.join(ROOT, "recipes", "tiny.yaml")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def loopback_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        GLOO_SOCKET_IFNAME="lo",
+        MASTER_ADDR="127.0.0.1",
+        PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),
+        PYTHONUNBUFFERED="1",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",
+    )
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".cache", "torch_extensions"))
+    env.update(extra)
+    return env
+
+
+def save_tiny_model(dest: str, seed: int = 0) -> str:
+    """A random-init tiny Mistral saved with save_pretrained: the real from_pretrained path, one init for everyone."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if os.path.exists(os.path.join(dest, "model.safetensors")):
+        return dest
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(os.path.dirname(TINY_CONFIG)), dtype=torch.float32)
+    model.save_pretrained(dest)
+    return dest
+
+
+def ds_variant(base: str, dest: str, bf16: bool = True, **zero: object) -> str:
+    """A copy of ds_configs/<base>.json with bf16 switched and zero_optimization keys overridden."""
+    with open(os.path.join(ROOT, "ds_configs", f"{base}.json")) as f:
+        cfg = json.load(f)
+    if "torch_autocast" in cfg:  # ZeRO-0's bf16 is autocast (fp32 weights and gradients)
+        cfg["torch_autocast"]["enabled"] = bf16
+    else:
+        cfg["bf16"] = {"enabled": bf16}
+    cfg["zero_optimization"].update(zero)
+    with open(dest, "w") as f:
+        json.dump(cfg, f)
+    return dest
+
+
+def run_ranks(world: int, script: str, args: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`deepspeed --num_gpus N` on loopback (one plain process for N=1, with the same rendezvous variables)."""
+    env = env or loopback_env()
+    port = str(free_port())
+    if world == 1:
+        env = dict(env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_PORT=port)
+        cmd = [sys.executable, script, *args]
+    else:
+        cmd = [os.path.join(VENV_BIN, "deepspeed"), "--num_gpus", str(world), "--master_addr", "127.0.0.1",
+               "--master_port", port, script, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc

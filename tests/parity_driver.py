@@ -1,0 +1,69 @@
+"""Runs many zerotune trainings in one process group (real engines, real collectives) and writes their losses.
+
+    deepspeed --num_gpus 2 --master_addr 127.0.0.1 tests/parity_driver.py OUT.json CASES.json
+
+Starting Python, torch and DeepSpeed once per world size instead of once per configuration keeps the
+oracle matrix (4 stages x LoRA/full x fp32/bf16 x 1/2 ranks) within CI's time.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# The shm op is only a faster CPU all-reduce; skipping its JIT build leaves every loss identical (FACTS.md).
+import deepspeed.comm.torch  # noqa: E402
+
+deepspeed.comm.torch.build_shm_op = lambda: None
+
+import torch  # noqa: E402
+
+from finetune import dist  # noqa: E402
+from finetune.train import prepare, train  # noqa: E402
+
+
+def lora_check(model_dir: str, result: dict):
+    """After training: is every base weight bit-identical to the saved model, and did every adapter change?"""
+    import deepspeed
+    from safetensors.torch import load_file
+
+    original = load_file(os.path.join(model_dir, "model.safetensors"))
+
+    def check(engine):
+        identical, changed, n_base, n_adapter = True, True, 0, 0
+        for name, p in engine.module.named_parameters():
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                value = p.detach().float().cpu().clone()
+            if "lora_B" in name:
+                n_adapter += 1
+                changed &= bool(value.abs().sum() > 0)  # lora_B starts at zero
+            elif "lora_" not in name:
+                n_base += 1
+                key = name.replace("base_model.model.", "").replace(".base_layer", "")
+                expected = original[key].to(p.dtype).float()
+                identical &= torch.equal(value, expected)
+        result.update(base_identical=identical, adapters_changed=changed, n_base=n_base, n_adapter=n_adapter)
+
+    return check
+
+
+def main(out: str, cases_file: str) -> None:
+    with open(cases_file) as f:
+        cases = json.load(f)
+    results = {}
+    for case in cases:
+        run = prepare(case["config"], case["deepspeed"], case["overrides"])
+        result = {}
+        on_end = lora_check(run.recipe.model.path, result) if run.recipe.lora.enabled else None
+        records = train(run, on_end=on_end)
+        result.update(loss=[r["loss"] for r in records], target_tokens=[r["target_tokens"] for r in records])
+        results[case["name"]] = result
+    if dist.is_main():
+        with open(out, "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    main(args[0], args[1])

@@ -1,0 +1,124 @@
+"""One machine playing several nodes over loopback: a private sshd on 127.0.0.1 and 127.0.0.2, and an `ssh` wrapper
+first on PATH whose config maps host aliases to loopback addresses. Nothing outside 127.0.0.0/8 is ever contacted.
+
+    with LoopbackCluster(tmp_path) as cluster:             # node1 -> 127.0.0.1, node2 -> 127.0.0.2, same free port
+        subprocess.run([...], env=cluster.env())            # pdsh, mpirun and the launcher all use the wrapper
+
+Fresh host and user keys live in the temporary folder; ~/.ssh is never touched (ssh reads the config named by -F,
+which the wrapper passes). `missing_binaries()` says what a test must skip for.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+
+NODES = {"node1": "127.0.0.1", "node2": "127.0.0.2"}
+BINARIES = ("/usr/sbin/sshd", "ssh", "ssh-keygen", "pdsh", "mpirun")
+
+
+def missing_binaries(names: tuple[str, ...] = BINARIES) -> list[str]:
+    return [name for name in names if shutil.which(name) is None]
+
+
+def free_port(address: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def write_ssh_wrapper(root: str, aliases: dict[str, tuple[str, int]], key: str | None = None) -> str:
+    """Write `root/bin/ssh` that runs the real ssh with `root/ssh_config` mapping each alias to (loopback address, port).
+
+    Returns the bin folder to put first on PATH.
+    """
+    lines = []
+    for alias, (address, port) in aliases.items():
+        assert address.startswith("127."), f"loopback only, got {address}"
+        lines += [f"Host {alias}", f"  HostName {address}", f"  Port {port}"]
+    lines += [
+        "Host *", "  User root" if os.geteuid() == 0 else f"  User {os.environ.get('USER', 'root')}",
+        "  UserKnownHostsFile /dev/null", "  StrictHostKeyChecking no", "  LogLevel ERROR", "  BatchMode yes",
+        "  IdentitiesOnly yes", f"  IdentityFile {key or os.path.join(root, 'no_key')}",
+    ]
+    config = os.path.join(root, "ssh_config")
+    with open(config, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    bin_dir = os.path.join(root, "bin")
+    os.makedirs(bin_dir, exist_ok=True)
+    wrapper = os.path.join(bin_dir, "ssh")
+    with open(wrapper, "w") as f:
+        f.write(f'#!/bin/sh\nexec {shutil.which("ssh")} -F {config} "$@"\n')
+    os.chmod(wrapper, 0o755)
+    return bin_dir
+
+
+def _listening(address: str, port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex((address, port)) == 0
+
+
+class LoopbackCluster:
+    """A private sshd serving `nodes` (alias -> loopback address) on one free port; a context manager."""
+
+    def __init__(self, root: str, nodes: dict[str, str] = NODES):
+        self.root, self.nodes = str(root), dict(nodes)
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+        self.bin_dir = ""
+
+    def __enter__(self) -> LoopbackCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        os.makedirs(self.root, exist_ok=True)
+        os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation folder
+        host_key, user_key = (os.path.join(self.root, name) for name in ("host_key", "user_key"))
+        for key in (host_key, user_key):
+            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key], check=True)
+        shutil.copy(user_key + ".pub", os.path.join(self.root, "authorized_keys"))
+        config = os.path.join(self.root, "sshd_config")
+        with open(config, "w") as f:
+            f.write(f"Port {self.port}\n")
+            f.writelines(f"ListenAddress {address}\n" for address in sorted(set(self.nodes.values())))
+            f.write(
+                f"HostKey {host_key}\nAuthorizedKeysFile {self.root}/authorized_keys\nPidFile {self.root}/sshd.pid\n"
+                "UsePAM no\nStrictModes no\nPasswordAuthentication no\nPermitRootLogin prohibit-password\n"
+                "MaxStartups 100:30:200\nMaxSessions 100\n"
+            )
+        self.proc = subprocess.Popen(
+            [shutil.which("sshd") or "/usr/sbin/sshd", "-D", "-e", "-f", config],
+            stdout=open(os.path.join(self.root, "sshd.log"), "w"), stderr=subprocess.STDOUT,
+        )
+        self.bin_dir = write_ssh_wrapper(self.root, {a: (ip, self.port) for a, ip in self.nodes.items()}, user_key)
+        deadline = time.monotonic() + 10
+        for address in set(self.nodes.values()):
+            while not _listening(address, self.port):
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.stop()
+                    raise RuntimeError(f"sshd did not listen on {address}:{self.port}; see {self.root}/sshd.log")
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """`base` (default os.environ) with the ssh wrapper first on PATH and loopback-only gloo."""
+        env = dict(os.environ if base is None else base)
+        env["PATH"] = self.bin_dir + os.pathsep + env.get("PATH", "")
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+        return env
