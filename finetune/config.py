@@ -86,6 +86,8 @@ class OptimConfig:
     """Cosine decay ends at lr * min_lr_ratio at train.max_steps."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 = off)."""
+    implementation: Literal["torch", "deepspeed"] = "torch"
+    """On GPU: torch's fused AdamW (no compiler needed) or DeepSpeed's FusedAdam (JIT-built with nvcc)."""
 
 
 @dataclass

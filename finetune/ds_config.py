@@ -106,6 +106,8 @@ def engine_config(ds: dict[str, Any]) -> dict[str, Any]:
     offload, and exactly what the plain-PyTorch oracle does), so the filled optimizer block is documentation only."""
     cfg = copy.deepcopy(ds)
     cfg.pop("optimizer", None)
+    if zero_stage(cfg) == 0:
+        cfg["gradient_clipping"] = 0.0  # zerotune clips ZeRO-0 itself, exactly (see optim.clip_grad_norm_exact)
     if offloads_optimizer(cfg):
         # DeepSpeedCPUAdam is a DeepSpeed optimizer, but ZeRO checks the client optimizer's class by name.
         cfg["zero_allow_untested_optimizer"] = True

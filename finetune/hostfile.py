@@ -2,6 +2,7 @@
 
     pool = load_hostfile("hostfiles/two_nodes.example")          # {"node1": 8, "node2": 8}
     active = filter_hosts(pool, include="node1:0,1@node2")       # {"node1": [0, 1], "node2": [0, ..., 7]}
+    address_of("node1")                                          # what ssh connects to, e.g. "10.0.0.11"
 
 Stricter than DeepSpeed, which only warns on a missing hostfile and then trains on the local machine:
 here a missing file, a line that is not `HOST slots=N`, a duplicate host or `slots` <= 0 is an error
@@ -10,8 +11,10 @@ naming the file and line.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
+import subprocess
 
 _LINE = re.compile(r"^(?P<host>[^\s#=]+)\s+slots\s*=\s*(?P<slots>-?\d+)\s*(?:#.*)?$")
 
@@ -147,7 +150,9 @@ def slurm_hosts(environ: dict[str, str]) -> dict[str, int]:
     SLURM_GPUS_ON_NODE, else SLURM_GPUS_PER_NODE (`4` or `h100:4`), else SLURM_NTASKS_PER_NODE."""
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
     if not nodelist:
-        raise HostfileError("--launcher slurm needs SLURM_JOB_NODELIST: run inside `sbatch`/`salloc` (see launch/slurm.sbatch)")
+        raise HostfileError(
+            "--launcher slurm needs SLURM_JOB_NODELIST: run inside `sbatch` or `salloc` (see launch/slurm.sbatch)"
+        )
     slots = None
     for name in ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
         value = environ.get(name, "").strip()
@@ -163,3 +168,25 @@ def slurm_hosts(environ: dict[str, str]) -> dict[str, int]:
             "`--ntasks-per-node=N` (CPU) in the batch script"
         )
     return {host: slots for host in expand_nodelist(nodelist)}
+
+
+def address_of(host: str) -> str:
+    """The address ssh connects to for `host`, from the ssh config by `ssh -G` (no traffic); localhost -> 127.0.0.1.
+
+    Falls back to the name itself without an ssh client.
+    """
+    try:
+        out = subprocess.run(
+            ["ssh", "-G", host], capture_output=True, text=True, timeout=5, stdin=subprocess.DEVNULL
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    address = next((line.split()[1] for line in out.splitlines() if line.startswith("hostname ")), host)
+    return "127.0.0.1" if address == "localhost" else address
+
+
+def is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"

@@ -1,16 +1,16 @@
-"""Launch training on the hosts of a hostfile: preflight every host, write .deepspeed_env, run the exact `deepspeed`
-command, and end the whole job (naming the rank and host) when one rank is lost.
+"""Launch training on the hosts of a hostfile: check every host, write .deepspeed_env, run the exact `deepspeed`
+command, and end the whole job, naming the rank and host, when one rank is lost.
 
-    zerotune launch --hostfile hostfiles/two_nodes.example -- --deepspeed ds_configs/zero3.json --config recipes/x.yaml
+    zerotune launch --hostfile hostfiles/my_nodes -- --deepspeed ds_configs/zero3.json --config recipes/x.yaml
 
-Also `python -m finetune.launcher ...`. Hostfile grammar and filters: finetune/hostfile.py; checks: finetune/preflight.py.
+`python -m finetune.launcher ...` does the same. Hostfiles and filters: finetune/hostfile.py; checks: preflight.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
-import ipaddress
 import os
 import queue
 import re
@@ -22,21 +22,30 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import IO
 
-from finetune.hostfile import HostfileError, filter_hosts, format_hostfile, load_hostfile, slurm_hosts
-from finetune.preflight import SSH_OPTIONS, Transport, run_preflight
+from finetune.hostfile import (
+    HostfileError,
+    address_of,
+    filter_hosts,
+    format_hostfile,
+    is_loopback,
+    load_hostfile,
+    slurm_hosts,
+)
+from finetune.preflight import Transport, run_preflight
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_SCRIPT = os.path.join(REPO, "finetune", "main.py")
-ENV_FILE = os.environ.get("DS_ENV_FILE", ".deepspeed_env")
+ENV_FILE = os.environ.get("DS_ENV_FILE", ".deepspeed_env")  # the name DeepSpeed's runner reads in the CWD
 FORWARD_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_", "FI_", "UCX_", "HF_", "WANDB_", "ZEROTUNE_", "TRITON_", "OMP_")
 FORWARD_NAMES = (
     "TORCH_EXTENSIONS_DIR", "TRANSFORMERS_OFFLINE", "CUDA_HOME", "LD_LIBRARY_PATH", "PYTORCH_CUDA_ALLOC_CONF",
     "CUDA_DEVICE_MAX_CONNECTIONS", "TORCH_DISTRIBUTED_DEBUG", "TOKENIZERS_PARALLELISM", "DS_ACCELERATOR",
 )
 SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|CREDENTIAL")
-PDSH_SSH_ARGS = "-o BatchMode=yes -o ServerAliveInterval=10 -o ServerAliveCountMax=6"
+PDSH_SSH_ARGS = "-o BatchMode=yes -o ServerAliveInterval=10 -o ServerAliveCountMax=6"  # a vanished host: pdsh ends
 STOP_WAIT_S = 10.0
 
 # Runs over ssh on each host to stop this job only: the `deepspeed.launcher.launch` processes started with this
@@ -73,19 +82,19 @@ class LaunchPlan:
     hosts: dict[str, list[int]]
     hostfile: str
     hostfile_text: str | None
-    """Text to write to `hostfile` before the launch (Slurm, or a filtered one for OpenMPI); None = the user's file."""
+    """Text written to `hostfile` before the launch (Slurm, or a filtered one for OpenMPI); None: the user's file."""
     master_addr: str
     master_port: int
     local: bool
-    """A single host that is this machine: DeepSpeed runs it without ssh."""
+    """One host that is this machine: DeepSpeed starts its ranks without ssh."""
     command: list[str]
     command_env: dict[str, str]
-    """Variables set for the command itself, printed as its prefix."""
+    """Variables for the command itself, printed as its prefix."""
     env_file_text: str
-    train_args: list[str] = field(default_factory=list)
+    train_args: list[str]
 
     def ranks(self) -> dict[str, list[int]]:
-        """Global ranks per host, in hostfile order (the order DeepSpeed and mpirun assign them)."""
+        """Global ranks per host, in hostfile order (the order DeepSpeed and mpirun give them)."""
         out, start = {}, 0
         for host, slots in self.hosts.items():
             out[host] = list(range(start, start + len(slots)))
@@ -93,10 +102,11 @@ class LaunchPlan:
         return out
 
     def transport(self) -> Transport:
+        """How the preflight reaches the hosts: not at all for this machine, srun under Slurm, else ssh."""
         return Transport("local" if self.local else "srun" if self.launcher == "slurm" else "ssh")
 
     def exports(self) -> dict[str, str]:
-        """The .deepspeed_env variables, also set for the command: the single-host and Slurm paths never read the file."""
+        """The .deepspeed_env variables; also set for the command, as the one-host and Slurm paths skip the file."""
         return dict(line.split("=", 1) for line in self.env_file_text.splitlines())
 
     def shell_command(self) -> str:
@@ -104,7 +114,7 @@ class LaunchPlan:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`zerotune launch ...`; returns the exit code (0 = the job succeeded, or the dry run printed)."""
+    """`zerotune launch ...`; returns the exit code (0: the job succeeded, or the dry run printed)."""
     args, train_args = _parse_args(sys.argv[1:] if argv is None else argv)
     try:
         plan = build_plan(args, train_args, dict(os.environ))
@@ -127,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(report.table(), flush=True)
             if not report.ok:
-                return _fail("preflight failed, nothing was started; fix the FAIL lines above or pass --skip-preflight", 1)
+                return _fail("preflight failed, nothing was started; fix the FAIL lines or pass --skip-preflight", 1)
         for path, text in [(ENV_FILE, plan.env_file_text), (plan.hostfile, plan.hostfile_text)]:
             if text is not None:
                 os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -148,7 +158,7 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="zerotune launch",
         description="Run finetune/main.py on the hosts of a hostfile through DeepSpeed's runner.",
-        epilog="Everything after `--` goes to finetune/main.py: -- --deepspeed ds_configs/zero3.json --config recipes/x.yaml",
+        epilog="After `--`: finetune/main.py's arguments, e.g. -- --deepspeed ds_configs/zero3.json --config x.yaml",
     )
     add = parser.add_argument
     add("--hostfile", help="`HOST slots=N` lines; with --launcher slurm, where to write the one built from the job")
@@ -173,42 +183,26 @@ def build_plan(args: argparse.Namespace, train_args: list[str], environ: dict[st
     script = os.path.abspath(script)
     if script.startswith(os.getcwd() + os.sep):
         script = os.path.relpath(script)
-    hostfile_text = None
-    if args.launcher == "slurm":
-        if args.include or args.exclude:
-            raise LaunchError("--include/--exclude do not apply to --launcher slurm: pick nodes with sbatch --nodelist/--exclude")
-        hosts = filter_hosts(slurm_hosts(environ))
-        hostfile = args.hostfile or os.path.join("runs", f"slurm-{environ.get('SLURM_JOB_ID', 'job')}.hostfile")
-        hostfile_text = format_hostfile(hosts)
-    elif not args.hostfile:
-        raise LaunchError("--hostfile is required (hostfiles/localhost runs on this machine alone)")
-    else:
-        hostfile = args.hostfile
-        pool = load_hostfile(hostfile)
-        hosts = filter_hosts(pool, args.include, args.exclude)
-        if args.launcher == "openmpi" and hosts != filter_hosts(pool):
-            if any(slots != list(range(pool[host])) for host, slots in hosts.items()):
-                raise LaunchError("openmpi places ranks on whole hosts: --include/--exclude hosts without `:slots`, or use pdsh")
-            hostfile_text = format_hostfile(hosts)
-            hostfile = os.path.join("runs", f"hostfile-{hashlib.sha256(hostfile_text.encode()).hexdigest()[:8]}")
+    hosts, hostfile, hostfile_text = _select_hosts(args, environ)
     first = next(iter(hosts))
-    master_addr = args.master_addr or (first if args.launcher == "slurm" else _address_of(first))
-    master_port = args.master_port or _free_port()
-    loopback = args.launcher != "slurm" and all(_is_loopback(_address_of(host)) for host in hosts)
+    master_addr = args.master_addr or (first if args.launcher == "slurm" else address_of(first))
+    loopback = args.launcher != "slurm" and all(is_loopback(address_of(host)) for host in hosts)
     local = args.launcher == "pdsh" and len(hosts) == 1 and (loopback or first == socket.gethostname())
+    master_port = args.master_port or _free_port()
     deepspeed = [_deepspeed(), "--hostfile", hostfile, "--master_addr", master_addr, "--master_port", str(master_port)]
     if local or (not args.skip_preflight and args.launcher != "slurm"):
         deepspeed.append("--no_ssh_check")  # the preflight checked ssh, with a timeout; DeepSpeed's check has none
     extra, command_env = shlex.split(args.launcher_args), {}
     if args.launcher == "pdsh":
-        deepspeed += ["--include", args.include] if args.include else ["--exclude", args.exclude] if args.exclude else []
+        deepspeed += ["--include", args.include] if args.include else []
+        deepspeed += ["--exclude", args.exclude] if args.exclude else []
         if len(hosts) == 1 and not local:
             deepspeed.append("--force_multi")  # else DeepSpeed runs a one-host hostfile here, not on that host
         if not local:
             command_env["PDSH_SSH_ARGS_APPEND"] = f"{environ.get('PDSH_SSH_ARGS_APPEND', '')} {PDSH_SSH_ARGS}".strip()
         command = deepspeed + (["--launcher_args", shlex.join(extra)] if extra else [])
     elif args.launcher == "openmpi":
-        world = sum(map(len, hosts.values()))  # the same on every rank, as DeepSpeed's MPICH/IMPI runners set it
+        world = sum(map(len, hosts.values()))  # the same on every rank; DeepSpeed's MPICH/IMPI runners set it too
         mpi = ["-x", f"MASTER_ADDR={master_addr}", "-x", f"MASTER_PORT={master_port}", "-x", f"WORLD_SIZE={world}"]
         mpi += ["--allow-run-as-root"] if _is_root() else []
         iface = "lo" if loopback else _plain_iface(environ)
@@ -227,8 +221,28 @@ def build_plan(args: argparse.Namespace, train_args: list[str], environ: dict[st
                       command + [script, *train_args], command_env, env_file_text, train_args)
 
 
+def _select_hosts(args: argparse.Namespace, environ: dict[str, str]) -> tuple[dict[str, list[int]], str, str | None]:
+    """(hosts with their slot ids, the hostfile DeepSpeed reads, its text if we must write it first)."""
+    if args.launcher == "slurm":
+        if args.include or args.exclude:
+            raise LaunchError("--include/--exclude do not apply to --launcher slurm: pick nodes in sbatch instead")
+        hosts = filter_hosts(slurm_hosts(environ))
+        path = args.hostfile or os.path.join("runs", f"slurm-{environ.get('SLURM_JOB_ID', 'job')}.hostfile")
+        return hosts, path, format_hostfile(hosts)
+    if not args.hostfile:
+        raise LaunchError("--hostfile is required (hostfiles/localhost runs on this machine alone)")
+    pool = load_hostfile(args.hostfile)
+    hosts = filter_hosts(pool, args.include, args.exclude)
+    if args.launcher != "openmpi" or hosts == filter_hosts(pool):
+        return hosts, args.hostfile, None
+    if any(slots != list(range(pool[host])) for host, slots in hosts.items()):
+        raise LaunchError("openmpi places ranks on whole hosts: filter hosts without `:slots`, or use pdsh")
+    text = format_hostfile(hosts)  # mpirun takes no filter: give it a hostfile of the chosen hosts
+    return hosts, os.path.join("runs", f"hostfile-{hashlib.sha256(text.encode()).hexdigest()[:8]}"), text
+
+
 def build_exports(environ: dict[str, str], *, loopback: bool = False) -> dict[str, str]:
-    """What every rank needs, taken from this environment: NCCL/GLOO/HF/... settings (never secrets), the venv's PATH,
+    """What every rank needs, from this environment: NCCL/GLOO/HF/... settings (never secrets), the venv's PATH,
     PYTHONPATH with the repo root. All hosts on loopback: GLOO/NCCL_SOCKET_IFNAME default to `lo`."""
     exports = {
         key: value for key, value in environ.items()
@@ -243,15 +257,15 @@ def build_exports(environ: dict[str, str], *, loopback: bool = False) -> dict[st
 
 
 def merge_env_file(existing: str, exports: dict[str, str]) -> str:
-    """The user's KEY=VALUE lines kept in order, ours replacing a line of the same key or appended; blank lines dropped
-    (DeepSpeed's runner crashes on them)."""
+    """The user's KEY=VALUE lines kept in order, ours replacing a line of the same key or appended; blank lines
+    dropped (DeepSpeed's runner crashes on them)."""
     lines: dict[str, str] = {}
     for number, line in enumerate(existing.splitlines(), start=1):
         if not line.strip():
             continue
         key, sep, value = line.partition("=")
         if not sep or not key.strip():
-            raise LaunchError(f"{ENV_FILE}:{number}: {line!r} is not KEY=VALUE (DeepSpeed's runner would crash on it); fix or delete it")
+            raise LaunchError(f"{ENV_FILE}:{number}: {line!r} is not KEY=VALUE, which DeepSpeed's runner needs; fix it")
         lines[key.strip()] = value
     lines.update(exports)
     return "".join(f"{key}={value}\n" for key, value in lines.items())
@@ -275,31 +289,25 @@ def output_dir_of(train_args: list[str]) -> str:
 
 
 def run_job(plan: LaunchPlan, *, grace: float) -> int:
-    """Run the command, echo its output, and when a rank fails give the others `grace` seconds, then stop all hosts."""
+    """Run the command and echo its output; when a rank fails, give the others `grace` seconds, then stop them."""
     watch = JobWatch(plan.ranks())
     proc = subprocess.Popen(
-        plan.command, env={**os.environ, **plan.exports(), **plan.command_env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, errors="replace", bufsize=1, start_new_session=True,  # Ctrl-C reaches us, not DeepSpeed's pkill
+        plan.command, env={**os.environ, **plan.exports(), **plan.command_env}, text=True, errors="replace",
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=1,
+        start_new_session=True,  # Ctrl-C reaches us only: DeepSpeed's runner answers it with `pkill -f`
     )
     lines: queue.Queue[str | None] = queue.Queue()
     threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if threading.current_thread() is threading.main_thread() else None
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if main_thread else None
     failed_at, stopped = None, False
     try:
-        while True:
-            try:
-                line = lines.get(timeout=0.5)
-            except queue.Empty:
-                line = ""
-            if line is None:
-                break
-            if line:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-                new = watch.feed(line)
-                if new and failed_at is None:
-                    failed_at = time.monotonic()
-                    print(f"zerotune launch: {new}; the other ranks get {grace:.0f} s to stop", flush=True)
+        while (line := _next_line(lines)) is not None:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            if (failure := watch.feed(line)) and failed_at is None:
+                failed_at = time.monotonic()
+                print(f"zerotune launch: {failure}; the other ranks get {grace:.0f} s to stop", flush=True)
             if failed_at is not None and not stopped and time.monotonic() - failed_at > grace:
                 print("zerotune launch: ranks still running; stopping the job on every host", flush=True)
                 _stop(plan, proc)
@@ -313,16 +321,24 @@ def run_job(plan: LaunchPlan, *, grace: float) -> int:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     if watch.failures or code != 0:
-        print(f"zerotune launch: job failed: {watch.summary() or f'exit code {code}'}", file=sys.stderr, flush=True)
+        print(f"zerotune launch: job failed: {watch.summary() or 'the job ' + _exit_text(code)}", file=sys.stderr)
         return code or 1
     print("zerotune launch: job finished", flush=True)
     return 0
 
 
-def _pump(stream, lines: queue.Queue) -> None:
+def _pump(stream: IO[str], lines: queue.Queue) -> None:
     for line in stream:
         lines.put(line)
     lines.put(None)
+
+
+def _next_line(lines: queue.Queue) -> str | None:
+    """The next line of output, '' after half a second of silence (so the grace clock still ticks), None at the end."""
+    try:
+        return lines.get(timeout=0.5)
+    except queue.Empty:
+        return ""
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -330,34 +346,22 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 
 def _stop(plan: LaunchPlan, proc: subprocess.Popen) -> None:
-    """Stop this job only. pdsh: kill its processes on each host by master address and port, never SIGTERM DeepSpeed's
-    runner (its handler runs `pkill -f` on every DeepSpeed launch). mpirun/srun/local: SIGTERM our process group."""
+    """Stop this job only. pdsh: kill its processes on each host by master address and port, and never SIGTERM
+    DeepSpeed's runner (its handler runs `pkill -f` on every DeepSpeed launch). Others: SIGTERM our process group."""
     if plan.launcher == "pdsh" and not plan.local:
         script = shlex.join([sys.executable, "-c", _STOP_SNIPPET, plan.master_addr, str(plan.master_port)])
         with ThreadPoolExecutor(max_workers=min(32, len(plan.hosts))) as pool:
-            for host, error in zip(plan.hosts, pool.map(lambda h: _run_quietly(["ssh", *SSH_OPTIONS, h, script]), plan.hosts)):
-                if error:
-                    print(f"zerotune launch: could not stop the ranks on {host}: {error}; check it by hand", flush=True)
+            answers = pool.map(lambda host: plan.transport().run(host, script), plan.hosts)
+            for host, (code, _, err) in zip(plan.hosts, answers):
+                if code != 0:
+                    print(f"zerotune launch: could not stop the ranks on {host} ({err.strip() or code}); check by hand")
     elif proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=STOP_WAIT_S)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # what is left of our own process group: runner, pdsh, ssh
-    except ProcessLookupError:
-        pass
     proc.wait()
-
-
-def _run_quietly(argv: list[str]) -> str:
-    """Run a command for at most 30 s; returns '' on success, else what went wrong."""
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return str(e)
-    return "" if done.returncode == 0 else (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
 
 
 @dataclass
@@ -379,13 +383,13 @@ class JobWatch:
     _MPI_NAME = re.compile(r"Process name:\s+\[\[\d+,\d+\],(\d+)\]")
     _MPI_CODE = re.compile(r"Exit code:\s+(\d+)")
     _SRUN = re.compile(r"srun: error: (\S+): tasks? [\d,-]+: (.+)")
-    _PEER_GONE = re.compile(r"^(\S+): .*(Connection (closed|reset) by peer|Broken pipe|NCCL.*(abort|[Ww]atchdog)|timed out)")
+    _PEER_GONE = re.compile(r"^(\S+): .*(Connection (closed|reset) by peer|Broken pipe|NCCL.*(abort|[Ww]atchdog))")
 
     def __init__(self, ranks: dict[str, list[int]]):
         self.ranks = ranks
         self.failures: list[Failure] = []
         self.followers: set[str] = set()
-        """Hosts whose ranks complained that a peer went away: they failed because another one did."""
+        """Hosts whose ranks said a peer went away: they failed because another one did."""
         self._mpi_rank: int | None = None
 
     def feed(self, line: str) -> Failure | None:
@@ -401,7 +405,7 @@ class JobWatch:
             self._mpi_rank = int(match[1])
         elif (match := self._MPI_CODE.search(line)) and self._mpi_rank is not None:
             rank, self._mpi_rank = self._mpi_rank, None
-            host = next((h for h, r in self.ranks.items() if rank in r), "?")
+            host = next((h for h, ranks in self.ranks.items() if rank in ranks), "?")
             failure = Failure(host, [rank], _exit_text(int(match[1])))
         elif match := self._SRUN.search(line):
             failure = Failure(match[1], self.ranks.get(match[1], []), match[2].strip().lower())
@@ -411,7 +415,7 @@ class JobWatch:
         return failure
 
     def summary(self) -> str:
-        """The first failure of a host that did not just lose its peers, then the others."""
+        """The first failure of a host that did not merely lose its peers, then the others."""
         if not self.failures:
             return ""
         first = next((f for f in self.failures if f.host not in self.followers), self.failures[0])
@@ -440,33 +444,16 @@ def _span(ranks: list[int]) -> str:
     return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}" if ranks else "none"
 
 
-def _address_of(host: str) -> str:
-    """The address ssh connects to for `host` (`ssh -G` reads the config, no traffic); localhost -> 127.0.0.1."""
-    try:
-        out = subprocess.run(["ssh", "-G", host], capture_output=True, text=True, timeout=5, stdin=subprocess.DEVNULL).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        out = ""
-    address = next((line.split()[1] for line in out.splitlines() if line.startswith("hostname ")), host)
-    return "127.0.0.1" if address == "localhost" else address
-
-
-def _is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return address == "localhost"
-
-
 def _plain_iface(environ: dict[str, str]) -> str:
-    """NCCL/GLOO_SOCKET_IFNAME when it names one interface (not a list, prefix match or exclusion)."""
+    """NCCL/GLOO_SOCKET_IFNAME when it names one interface (not a list, a prefix match or an exclusion)."""
     for key in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
-        value = environ.get(key, "")
-        if re.fullmatch(r"[\w.]+", value):
+        if re.fullmatch(r"[\w.]+", value := environ.get(key, "")):
             return value
     return ""
 
 
 def _free_port() -> int:
+    """Like finetune.dist.free_port, which imports torch: the launcher starts in a tenth of a second without it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -477,13 +464,13 @@ def _is_root() -> bool:
 
 
 def _deepspeed() -> str:
+    """The venv's `deepspeed` beside this python, so an unactivated venv works too."""
     beside = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     return beside if os.path.exists(beside) else "deepspeed"
 
 
 def _join_paths(first: str, rest: str) -> str:
-    parts = [first] + [p for p in rest.split(os.pathsep) if p]
-    return os.pathsep.join(dict.fromkeys(parts))
+    return os.pathsep.join(dict.fromkeys([first] + [p for p in rest.split(os.pathsep) if p]))
 
 
 def _read(path: str) -> str:

@@ -61,11 +61,26 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, ds_config: dict[st
         )
     if model_cfg.activation_checkpointing != "none":
         every = 1 if model_cfg.activation_checkpointing == "full" else 2
-        # Non-reentrant checkpointing works with frozen LoRA bases and ZeRO-3's parameter hooks.
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every)
+        _enable_checkpointing(model, every)
     if lora_cfg.enabled:
         model = _apply_lora(model, lora_cfg, model_cfg.init_seed)
     return model, keepalive
+
+
+def _enable_checkpointing(model, every_n_layers: int) -> None:
+    """Recompute every `every_n_layers`-th decoder layer in backward.
+
+    Non-reentrant checkpointing works with frozen LoRA bases and ZeRO-3's parameter hooks. transformers >= 5.20
+    names it activation_checkpointing_enable (with every_n_layers); older 5.x only has gradient_checkpointing_enable.
+    """
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
+        return
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    for i, layer in enumerate(model.model.layers):
+        if i % every_n_layers:
+            layer.gradient_checkpointing = False
 
 
 def _apply_lora(model, cfg: LoraConfig, seed: int):

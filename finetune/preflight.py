@@ -1,12 +1,13 @@
-"""Check every host before a launch, in parallel, each within 10 s, and print the answers as a table.
+"""Check every host before a launch, in parallel, each within 10 s, and report the answers as a table.
 
-    report = run_preflight(hosts, Transport("ssh"), output_dir="runs/x", master_addr="10.0.0.1", master_port=29617)
+    report = run_preflight({"node1": 8, "node2": 8}, Transport("ssh"), output_dir="runs/x", master_addr="10.0.0.1",
+                           master_port=29617)
     print(report.table()); sys.exit(0 if report.ok else 1)
 
-Per host: reachable (ssh in batch mode, or srun under Slurm); the same python, torch, deepspeed and zerotune
-versions, git commit and package source as the first host; the output dir writable (and whether it is one
-shared folder: a marker written on the first host is looked for on the others); the master port free on the
-first host; accelerators >= slots where the host has accelerators.
+Per host: reachable (ssh in batch mode, or srun inside a Slurm job); the same python, torch, deepspeed and zerotune
+versions, git commit and package source digest as the first host; the output dir writable, and whether it is one
+shared folder (a marker written on the first host is looked for on the others); the master port free on the first
+host; accelerators >= slots where the host has accelerators.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ _NO_CWD, _NO_PYTHON = 97, 98
 _SAME_EVERYWHERE = ("python", "torch", "deepspeed", "zerotune", "commit", "source")
 _COLUMNS = ("host", "reach", *_SAME_EVERYWHERE, "output dir", "port", "accelerators")
 
-# Runs on each host: versions, a digest of the package source, output dir writable, master port free, GPU count.
+# Runs on each host; prints one tagged JSON line. Importing torch costs seconds, so only where a GPU device exists.
 _PROBE = r"""
 import errno, hashlib, json, os, platform, socket, subprocess, sys
 from importlib import metadata
@@ -46,7 +47,8 @@ try:
 except ImportError:
     r["zerotune"] = "missing"
 try:
-    git = subprocess.run(["git", "-C", a["repo"], "rev-parse", "--short=10", "HEAD"], capture_output=True, text=True, timeout=5)
+    git = subprocess.run(["git", "-C", a["repo"], "rev-parse", "--short=10", "HEAD"], capture_output=True, text=True,
+                         timeout=5)
     r["commit"] = git.stdout.strip() or "none"
 except (OSError, subprocess.TimeoutExpired):
     r["commit"] = "no git"
@@ -74,11 +76,12 @@ if a["port"]:
         s.bind((a["addr"], a["port"]))
         r["port"] = "free"
     except OSError as e:
-        r["port"] = "%d in use" % a["port"] if e.errno == errno.EADDRINUSE else "cannot bind %s: %s" % (a["addr"], e.strerror)
+        in_use = e.errno == errno.EADDRINUSE
+        r["port"] = "%d in use" % a["port"] if in_use else "cannot bind %s: %s" % (a["addr"], e.strerror)
     finally:
         s.close()
 r["accelerators"] = 0
-if os.path.exists("/dev/nvidia0") or os.path.exists("/dev/kfd"):  # importing torch on a CPU node costs seconds
+if os.path.exists("/dev/nvidia0") or os.path.exists("/dev/kfd"):
     try:
         import torch
         r["accelerators"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -100,6 +103,18 @@ class Transport:
         if self.kind == "srun":
             return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--kill-on-bad-exit=1", "sh", "-c", script]
         return ["sh", "-c", script]
+
+    def run(self, host: str, script: str, timeout: float = PROBE_TIMEOUT_S) -> tuple[int | None, str, str]:
+        """(exit code, or None when `timeout` passed; stdout; stderr) of `script` run by the shell on `host`."""
+        try:
+            done = subprocess.run(
+                self.argv(host, script), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+            )
+        except subprocess.TimeoutExpired:
+            return None, "", ""
+        except FileNotFoundError as e:
+            return 127, "", f"{e.filename} not found: install it on this machine"
+        return done.returncode, done.stdout, done.stderr
 
 
 @dataclass
@@ -142,7 +157,10 @@ def run_preflight(
     python: str = sys.executable,
     repo: str | None = None,
 ) -> PreflightReport:
-    """Probe all hosts in parallel; the first host also checks the master port and keeps a marker for the shared-dir test."""
+    """Probe all hosts in parallel; the first also checks the master port and keeps a marker for the shared-dir test.
+
+    Commands run in `cwd` (default: this one) with `python` (default: this one): both must exist on every host.
+    """
     start = time.monotonic()
     cwd = cwd or os.getcwd()
     repo = repo or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -151,16 +169,15 @@ def run_preflight(
 
     def probe(index: int) -> HostRow:
         args = {
-            "repo": repo,
-            "output_dir": output_dir,
+            "repo": repo, "output_dir": output_dir, "addr": master_addr,
             "marker": marker if index == 0 else f"{marker}.{index}",
             "keep_marker": index == 0 and len(names) > 1,
             "port": master_port if index == 0 else 0,
-            "addr": master_addr,
         }
         script = (
             f"cd {shlex.quote(cwd)} 2>/dev/null || exit {_NO_CWD}; test -x {shlex.quote(python)} || exit {_NO_PYTHON}; "
-            f"PYTHONPATH={shlex.quote(repo)} exec {shlex.quote(python)} -c {shlex.quote(_PROBE)} {shlex.quote(json.dumps(args))}"
+            f"PYTHONPATH={shlex.quote(repo)} exec {shlex.quote(python)} -c {shlex.quote(_PROBE)} "
+            f"{shlex.quote(json.dumps(args))}"
         )
         return _check_host(names[index], hosts[names[index]], transport, script, cwd=cwd, python=python, repo=repo)
 
@@ -168,68 +185,58 @@ def run_preflight(
         rows = list(pool.map(probe, range(len(names))))
         _compare(rows)
         warnings = []
-        if rows[0].cells.get("output dir") == "ok" and len(rows) > 1:
+        if len(rows) > 1 and rows[0].cells.get("output dir") == "ok":
             warnings = _shared_dir(rows, transport, pool, marker, cwd)
     return PreflightReport(rows, warnings, time.monotonic() - start)
 
 
-def _run(transport: Transport, host: str, script: str) -> tuple[int | None, str, str]:
-    """(returncode or None on timeout, stdout, stderr) of one command on one host, never longer than PROBE_TIMEOUT_S."""
-    try:
-        done = subprocess.run(
-            transport.argv(host, script), capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL
-        )
-    except subprocess.TimeoutExpired:
-        return None, "", ""
-    except FileNotFoundError as e:
-        return 127, "", f"{e.filename} not found: install it on the launching machine"
-    return done.returncode, done.stdout, done.stderr
-
-
-def _check_host(host: str, slots: int, transport: Transport, script: str, *, cwd: str, python: str, repo: str) -> HostRow:
-    row = HostRow(host)
-    code, out, err = _run(transport, host, script)
-    how = transport.kind
-    last_error = (err.strip().splitlines() or ["no message"])[-1]
+def _check_host(
+    host: str, slots: int, transport: Transport, script: str, *, cwd: str, python: str, repo: str
+) -> HostRow:
+    row = HostRow(host, {"reach": "ok"})
+    code, out, err = transport.run(host, script)
+    answer = next((line[len(_TAG) :] for line in out.splitlines() if line.startswith(_TAG)), None)
     if code is None:
         row.cells["reach"] = "timeout"
-        row.problems.append(f"reach: no answer from {how} within {PROBE_TIMEOUT_S:.0f} s; is the host up and reachable?")
-        return row
-    if code == _NO_CWD:
-        row.cells["reach"] = "ok"
-        row.problems.append(f"reach: directory {cwd} does not exist there; the repo must be at the same path on every node")
-        return row
-    if code == _NO_PYTHON:
-        row.cells["reach"] = "ok"
-        row.problems.append(f"python: {python} does not exist there; install the same environment at the same path on every node")
-        return row
-    answer = next((line[len(_TAG) :] for line in out.splitlines() if line.startswith(_TAG)), None)
-    if answer is None:
+        row.problems.append(f"reach: no answer in {PROBE_TIMEOUT_S:.0f} s over {transport.kind}; is the host up?")
+    elif code == _NO_CWD:
+        row.problems.append(f"reach: no directory {cwd} there; launch from a path that exists on every node")
+    elif code == _NO_PYTHON:
+        row.problems.append(f"python: no {python} there; install the same environment at the same path everywhere")
+    elif answer is None:
         row.cells["reach"] = "FAIL"
-        if transport.kind == "ssh" and code == 255:
-            hint = "set up passwordless ssh (`ssh-copy-id HOST`; `ssh -o BatchMode=yes HOST true` must work)"
-        else:
-            hint = f"the probe exited with code {code}"
-        row.problems.append(f"reach: {how} failed: {last_error} ({hint})")
+        row.problems.append(f"reach: {transport.kind} failed: {_last_line(err, code)} ({_hint(err)})")
+    if answer is None:
         return row
-    row.cells["reach"] = "ok"
     facts = json.loads(answer)
-    row.cells.update({k: str(v) for k, v in facts.items() if k != "accelerators"})
-    if facts["zerotune"] == "missing" or not os.path.isfile(os.path.join(repo, "finetune", "main.py")):
-        row.problems.append(f"zerotune: the package is not importable from {repo} there; check out the repo at the same path")
+    row.cells.update({key: str(value) for key, value in facts.items() if key != "accelerators"})
+    if facts["zerotune"] == "missing":
+        row.problems.append(f"zerotune: not importable from {repo} there; check out the repo at the same path")
     if facts["output dir"] != "ok":
-        row.problems.append(f"output dir: {facts['output dir']}; pick a train.output_dir every node can write")
-    if "port" in facts and facts["port"] != "free":
-        row.problems.append(f"port: {facts['port']} on the master host; pass --master-port with a free port, or --master-addr")
+        row.problems.append(f"output dir: {facts['output dir']}; choose a train.output_dir every node can write")
+    if facts.get("port", "free") != "free":
+        row.problems.append(f"port: {facts['port']} on the master host; pass a free --master-port (or --master-addr)")
     count = int(facts["accelerators"])
     row.cells["accelerators"] = f"{count} (slots {slots})" if count else "0 (cpu)"
     if 0 < count < slots:
-        row.problems.append(f"accelerators: {count} visible but the hostfile gives slots={slots}; lower slots or fix the driver")
+        row.problems.append(f"accelerators: {count} visible but slots={slots}; lower slots in the hostfile")
     return row
 
 
+def _last_line(err: str, code: int) -> str:
+    return (err.strip().splitlines() or [f"exit code {code}"])[-1]
+
+
+def _hint(err: str) -> str:
+    if "Permission denied" in err or "Host key verification failed" in err:
+        return "set up passwordless ssh: `ssh-copy-id HOST`, then `ssh -o BatchMode=yes HOST true` must work"
+    if "resolve hostname" in err:
+        return "add the host to /etc/hosts or ~/.ssh/config"
+    return "is the host up, sshd running, and the name right?"
+
+
 def _compare(rows: list[HostRow]) -> None:
-    """Mark cells that differ from the first host that answered; GPU nodes mixed with CPU nodes fail too."""
+    """Fail cells that differ from the first host that answered; a CPU host among GPU hosts fails too."""
     answered = [row for row in rows if "python" in row.cells]
     if not answered:
         return
@@ -238,27 +245,31 @@ def _compare(rows: list[HostRow]) -> None:
         for key in _SAME_EVERYWHERE:
             if row.cells[key] != reference.cells[key]:
                 row.problems.append(
-                    f"{key}: {row.cells[key]} here but {reference.cells[key]} on {reference.host}; "
-                    f"every node must run the same environment and code"
+                    f"{key}: {row.cells[key]} here, {reference.cells[key]} on {reference.host}; "
+                    "every node must run the same environment and code"
                 )
                 row.cells[key] += " *"
         if row.cells["accelerators"].startswith("0 ") != reference.cells["accelerators"].startswith("0 "):
-            row.problems.append(f"accelerators: {row.cells['accelerators']} here but {reference.cells['accelerators']} on {reference.host}")
+            row.problems.append(
+                f"accelerators: {row.cells['accelerators']} here, {reference.cells['accelerators']} on {reference.host}"
+            )
 
 
-def _shared_dir(rows: list[HostRow], transport: Transport, pool: ThreadPoolExecutor, marker: str, cwd: str) -> list[str]:
-    """Look for the first host's marker on the others, then remove it; returns warnings for a dir that is not shared."""
-    quoted, where = shlex.quote(marker), f"cd {shlex.quote(cwd)} || exit {_NO_CWD}; "
-    script = where + f"test -e {quoted} && echo shared || echo local"
+def _shared_dir(
+    rows: list[HostRow], transport: Transport, pool: ThreadPoolExecutor, marker: str, cwd: str
+) -> list[str]:
+    """Look for the first host's marker on the others, then remove it; warn when the folder is not shared."""
+    where, quoted = f"cd {shlex.quote(cwd)} || exit {_NO_CWD}; ", shlex.quote(marker)
     others = [row for row in rows[1:] if row.cells.get("output dir") == "ok"]
-    answers = list(pool.map(lambda row: _run(transport, row.host, script)[1].strip(), others))
-    _run(transport, rows[0].host, where + f"rm -f {quoted}")
+    script = where + f"test -e {quoted} && echo shared || echo local"
+    answers = list(pool.map(lambda row: transport.run(row.host, script)[1].strip() or "unknown", others))
+    transport.run(rows[0].host, where + f"rm -f {quoted}")
     shared = all(answer == "shared" for answer in answers)
-    for row, answer in zip([rows[0], *others], [("shared" if shared else "local"), *answers]):
-        row.cells["output dir"] = f"ok, {answer or 'unknown'}"
+    for row, answer in zip([rows[0], *others], ["shared" if shared else "local", *answers]):
+        row.cells["output dir"] = f"ok, {answer}"
     if shared:
         return []
     return [
-        f"the output dir {os.path.dirname(marker) or '.'} is not one shared folder: each node keeps its own "
-        f"checkpoint shards; put train.output_dir on shared storage to resume or export the model"
+        f"the output dir {os.path.dirname(marker)} is not one shared folder: each node keeps its own checkpoint "
+        "shards; put train.output_dir on shared storage to resume or export the model"
     ]

@@ -64,7 +64,7 @@ def token_loss_sum(logits, targets):
 
 
 def train(run: Run, on_end=None) -> list[dict[str, Any]]:
-    """Train to max_steps; returns the metrics records (rank 0 also writes them to metrics.jsonl).
+    """Train to max_steps; returns the step and eval records (rank 0 also writes them to metrics.jsonl).
 
     `on_end(engine)`, if given, runs on every rank after the last step, while the engine still holds the model.
     """
@@ -78,7 +78,7 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
     from finetune.generate import answer
     from finetune.metrics import MetricsLog, peak_memory_gib, peak_tflops, training_flops
     from finetune.model import build_model, trainable_parameters
-    from finetune.optim import build_optimizer
+    from finetune.optim import build_optimizer, clip_grad_norm_exact
 
     r, t = run.recipe, run.recipe.train
     dist.init()
@@ -106,6 +106,8 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
                                       config=engine_config(run.ds))
     device = dist.device()
     synced = zero_stage(run.ds) == 3 and world > 1
+    own_clipping = zero_stage(run.ds) == 0  # gradients are all-reduced in the boundary backward, before step()
+    grad_norm = None
     samples = []
 
     def sample(step: int) -> None:
@@ -134,18 +136,20 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
             # DeepSpeed divides by grad_accum and averages over ranks; undo both so the step's gradient is
             # sum(token losses of the whole global batch) / (its number of target tokens).
             engine.backward(token_sum * (world * t.grad_accum / max(n_targets, 1.0)))
+            if own_clipping and engine.is_gradient_accumulation_boundary():
+                grad_norm = clip_grad_norm_exact(engine.module.parameters(), r.optim.grad_clip)
             engine.step()
             loss_sum += token_sum.detach().double().cpu()
         lengths = [int(n) for mb in micro_batches for n in mb["sample_lengths"]]
         tokens = float(dist.all_reduce_sum(sum(lengths)))
         flops = float(dist.all_reduce_sum(training_flops(hf_config, lengths)))
         elapsed = time.perf_counter() - start
-        grad_norm = engine.get_global_grad_norm()
+        if not own_clipping:
+            grad_norm = engine.get_global_grad_norm()
         record = {
             "step": step + 1,
             "loss": float(dist.all_reduce_sum(loss_sum)) / max(n_targets, 1.0),
             "lr": lr,
-            # DeepSpeed reports no norm for ZeRO-0 in fp32 (it clips without keeping the value).
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
             "tokens": int(tokens),
             "target_tokens": int(n_targets),
@@ -162,7 +166,8 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
         last = step + 1 == t.max_steps
         if eval_data is not None and ((t.eval_every and (step + 1) % t.eval_every == 0) or last):
             eval_loss = evaluate(engine, eval_data, r, world, rank, tokenizer.pad_id, device)
-            log.write({"step": step + 1, "eval_loss": eval_loss})
+            records.append({"step": step + 1, "eval_loss": eval_loss})
+            log.write(records[-1])
             dist.print0(f"eval at step {step + 1}: loss {eval_loss:.4f}")
     sample(t.max_steps)
     if dist.is_main() and samples:

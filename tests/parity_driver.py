@@ -57,7 +57,10 @@ def main(out: str, cases_file: str) -> None:
         result = {}
         on_end = lora_check(run.recipe.model.path, result) if run.recipe.lora.enabled else None
         records = train(run, on_end=on_end)
-        result.update(loss=[r["loss"] for r in records], target_tokens=[r["target_tokens"] for r in records])
+        steps = [r for r in records if "loss" in r]
+        result.update(loss=[r["loss"] for r in steps], target_tokens=[r["target_tokens"] for r in steps],
+                      grad_norm=[r["grad_norm"] for r in steps],
+                      eval_loss=[r["eval_loss"] for r in records if "eval_loss" in r])
         results[case["name"]] = result
     if dist.is_main():
         with open(out, "w") as f:

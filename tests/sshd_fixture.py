@@ -1,11 +1,19 @@
 """One machine playing several nodes over loopback: a private sshd on 127.0.0.1 and 127.0.0.2, and an `ssh` wrapper
-first on PATH whose config maps host aliases to loopback addresses. Nothing outside 127.0.0.0/8 is ever contacted.
+first on PATH whose config gives each host its loopback address and the sshd's port; optionally all of it inside a
+private network namespace that has nothing but loopback.
 
-    with LoopbackCluster(tmp_path) as cluster:             # node1 -> 127.0.0.1, node2 -> 127.0.0.2, same free port
-        subprocess.run([...], env=cluster.env())            # pdsh, mpirun and the launcher all use the wrapper
+    with IsolatedNetwork() as net, LoopbackCluster(tmp_path, prefix=net.prefix) as cluster:
+        subprocess.run(net.prefix + [...], env=cluster.env())    # pdsh, mpirun and the launcher use the wrapper
 
-Fresh host and user keys live in the temporary folder; ~/.ssh is never touched (ssh reads the config named by -F,
-which the wrapper passes). `missing_binaries()` says what a test must skip for.
+Why the namespace: torch's TCPStore formats socket addresses with getnameinfo(), which asks the DNS server for
+1.0.0.127.in-addr.arpa (the v4-mapped address is not in /etc/hosts), so every multi-process run sends packets off
+loopback. Inside the namespace that lookup fails at once and nothing leaves. It needs root (`unshare`, `nsenter`,
+`ip`); without them `prefix` is empty and runs happen in the normal namespace.
+
+The hosts are named by their addresses, not by aliases like node1: mpirun looks every hostfile name up with
+getaddrinfo, and a name missing from /etc/hosts becomes a DNS query to the nameserver, off loopback. Aliases are
+fine where only ssh reads them (`write_ssh_wrapper`). Fresh host and user keys live in the temporary folder; ~/.ssh
+is never touched (the wrapper passes `-F`). `missing_binaries()` says what a test must skip for.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import socket
 import subprocess
 import time
 
-NODES = {"node1": "127.0.0.1", "node2": "127.0.0.2"}
+NODES = {"127.0.0.1": "127.0.0.1", "127.0.0.2": "127.0.0.2"}
 BINARIES = ("/usr/sbin/sshd", "ssh", "ssh-keygen", "pdsh", "mpirun")
 
 
@@ -56,16 +64,49 @@ def write_ssh_wrapper(root: str, aliases: dict[str, tuple[str, int]], key: str |
     return bin_dir
 
 
-def _listening(address: str, port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex((address, port)) == 0
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+class IsolatedNetwork:
+    """A network namespace with only a loopback interface, held open by a sleeping process; a context manager.
+
+    `prefix` (e.g. `["nsenter", "--net=/proc/123/ns/net"]`) runs a command inside it; empty when not permitted.
+    """
+
+    def __init__(self) -> None:
+        self.prefix: list[str] = []
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> IsolatedNetwork:
+        if missing_binaries(("unshare", "nsenter", "ip")):
+            return self
+        self.proc = subprocess.Popen(
+            ["unshare", "--net", "sh", "-c", "ip link set lo up && echo ready && exec sleep 86400"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )
+        if self.proc.stdout.readline().strip() == "ready":
+            self.prefix = ["nsenter", f"--net=/proc/{self.proc.pid}/ns/net"]
+        else:
+            self.__exit__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
 
 
 class LoopbackCluster:
-    """A private sshd serving `nodes` (alias -> loopback address) on one free port; a context manager."""
+    """A private sshd serving `nodes` (name -> loopback address) on one free port; a context manager.
 
-    def __init__(self, root: str, nodes: dict[str, str] = NODES):
-        self.root, self.nodes = str(root), dict(nodes)
+    `prefix` runs sshd inside an `IsolatedNetwork`.
+    """
+
+    def __init__(self, root: str, nodes: dict[str, str] = NODES, prefix: list[str] | None = None):
+        self.root, self.nodes, self.prefix = str(root), dict(nodes), list(prefix or [])
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.bin_dir = ""
@@ -93,17 +134,17 @@ class LoopbackCluster:
                 "UsePAM no\nStrictModes no\nPasswordAuthentication no\nPermitRootLogin prohibit-password\n"
                 "MaxStartups 100:30:200\nMaxSessions 100\n"
             )
-        self.proc = subprocess.Popen(
-            [shutil.which("sshd") or "/usr/sbin/sshd", "-D", "-e", "-f", config],
-            stdout=open(os.path.join(self.root, "sshd.log"), "w"), stderr=subprocess.STDOUT,
-        )
+        log = os.path.join(self.root, "sshd.log")
+        with open(log, "w") as out:
+            sshd = [shutil.which("sshd") or "/usr/sbin/sshd", "-D", "-e", "-f", config]
+            self.proc = subprocess.Popen(self.prefix + sshd, stdout=out, stderr=subprocess.STDOUT)
         self.bin_dir = write_ssh_wrapper(self.root, {a: (ip, self.port) for a, ip in self.nodes.items()}, user_key)
         deadline = time.monotonic() + 10
         for address in set(self.nodes.values()):
-            while not _listening(address, self.port):
+            while f"Server listening on {address} port {self.port}" not in _read(log):
                 if time.monotonic() > deadline or self.proc.poll() is not None:
                     self.stop()
-                    raise RuntimeError(f"sshd did not listen on {address}:{self.port}; see {self.root}/sshd.log")
+                    raise RuntimeError(f"sshd did not listen on {address}:{self.port}; see {log}")
                 time.sleep(0.1)
 
     def stop(self) -> None:

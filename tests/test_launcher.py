@@ -26,7 +26,7 @@ import pytest
 from finetune import launcher
 from finetune.hostfile import HostfileError, expand_nodelist, filter_hosts, load_hostfile, parse_hostfile, slurm_hosts
 from finetune.launcher import JobWatch, LaunchError, merge_env_file
-from tests.sshd_fixture import LoopbackCluster, free_port, missing_binaries, write_ssh_wrapper
+from tests.sshd_fixture import IsolatedNetwork, LoopbackCluster, free_port, missing_binaries, write_ssh_wrapper
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(ROOT, "tests", "golden", "launch")
@@ -225,18 +225,25 @@ def test_preflight_names_unreachable_hosts_within_10s(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def netns():
+    """A command prefix that runs inside a loopback-only network namespace (empty where not permitted)."""
+    with IsolatedNetwork() as net:
+        yield net.prefix
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, netns):
     missing = missing_binaries()
     if missing:
         pytest.skip(f"two-node runs need {', '.join(missing)} (apt-get install openssh-server pdsh openmpi-bin)")
-    with LoopbackCluster(str(tmp_path_factory.mktemp("sshd"))) as c:
+    with LoopbackCluster(str(tmp_path_factory.mktemp("sshd")), prefix=netns) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def hostfile(tmp_path_factory):
     path = tmp_path_factory.mktemp("hosts") / "two_nodes"
-    path.write_text("# two loopback nodes served by tests/sshd_fixture.py\nnode1 slots=1\nnode2 slots=1\n")
+    path.write_text("# two loopback nodes served by tests/sshd_fixture.py\n127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
     return str(path)
 
 
@@ -249,12 +256,13 @@ def tiny_args(out: str, steps: int) -> list[str]:
     ]
 
 
-def launch(cwd, env, options: list[str], train_args: list[str], **popen) -> subprocess.Popen:
+def launch(prefix: list[str], cwd, env, options: list[str], train_args: list[str]) -> subprocess.Popen:
+    """`python -m finetune.launcher` from `cwd` (not the repo: .deepspeed_env lands there), inside `prefix`'s netns."""
     os.makedirs(cwd, exist_ok=True)
-    env = dict(env, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(env, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".cache", "torch_extensions"))  # the shm op, built once
-    cmd = [sys.executable, "-m", "finetune.launcher", *options, "--", *train_args]
-    return subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **popen)
+    cmd = [*prefix, sys.executable, "-m", "finetune.launcher", *options, "--", *train_args]
+    return subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def losses(out: str) -> list[float]:
@@ -263,10 +271,10 @@ def losses(out: str) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def single_node_losses(tmp_path_factory):
+def single_node_losses(tmp_path_factory, netns):
     tmp = tmp_path_factory.mktemp("single")
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
-    proc = launch(tmp / "cwd", env, ["--hostfile", f"{ROOT}/hostfiles/localhost"], tiny_args(str(tmp / "out"), 4))
+    proc = launch(netns, tmp / "cwd", env, ["--hostfile", f"{ROOT}/hostfiles/localhost"], tiny_args(str(tmp / "out"), 4))
     output = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, output[-4000:]
     return losses(str(tmp / "out"))
@@ -275,10 +283,11 @@ def single_node_losses(tmp_path_factory):
 @pytest.mark.parametrize("backend", ["pdsh", "openmpi"])
 def test_two_nodes_match_single_node(backend, cluster, hostfile, single_node_losses, tmp_path):
     out = str(tmp_path / "out")
-    proc = launch(tmp_path / "cwd", cluster.env(), ["--hostfile", hostfile, "--launcher", backend], tiny_args(out, 4))
+    proc = launch(cluster.prefix, tmp_path / "cwd", cluster.env(), ["--hostfile", hostfile, "--launcher", backend], tiny_args(out, 4))
     output = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, output[-4000:]
-    assert re.search(r"node1 +ok .*ok, shared +free", output) and re.search(r"node2 +ok .*ok, shared +-", output), output
+    assert re.search(r"127.0.0.1 +ok .*ok, shared +free", output), output
+    assert re.search(r"127.0.0.2 +ok .*ok, shared +-", output), output
     assert "--master_addr 127.0.0.1" in output and "zerotune launch: job finished" in output
     two_nodes = losses(out)
     assert len(two_nodes) == len(single_node_losses) == 4
@@ -304,7 +313,7 @@ def _rank_pid(port: int, rank: int, deadline: float) -> int:
 def test_killed_rank_ends_job_within_60s_naming_it(cluster, hostfile, tmp_path):
     out, port = str(tmp_path / "out"), free_port()
     options = ["--hostfile", hostfile, "--master-port", str(port)]
-    proc = launch(tmp_path / "cwd", cluster.env(), options, tiny_args(out, 10_000))
+    proc = launch(cluster.prefix, tmp_path / "cwd", cluster.env(), options, tiny_args(out, 10_000))
     deadline = time.monotonic() + 240
     while not (os.path.exists(os.path.join(out, "metrics.jsonl")) and losses(out)):  # mid-run: a step is done
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
@@ -314,7 +323,7 @@ def test_killed_rank_ends_job_within_60s_naming_it(cluster, hostfile, tmp_path):
     output = proc.communicate(timeout=90)[0]
     assert time.monotonic() - killed < 60
     assert proc.returncode != 0
-    assert "job failed: rank 1 on node2 was killed by signal 9 (SIGKILL)" in output, output[-4000:]
+    assert "job failed: rank 1 on 127.0.0.2 was killed by signal 9 (SIGKILL)" in output, output[-4000:]
     assert not [p for p in psutil.process_iter() if _has_port(p, port)], "ranks left behind"
 
 
@@ -323,11 +332,11 @@ def test_watchdog_stops_a_hung_survivor(cluster, hostfile, tmp_path):
     port = free_port()
     options = ["--hostfile", hostfile, "--master-port", str(port), "--failure-grace", "2", "--script", PROBE]
     args = ["steps=1000", "pause=0.05", "fail_rank=1", "fail_step=5", "survivor=hang", f"train.output_dir={tmp_path}/out"]
-    proc = launch(tmp_path / "cwd", cluster.env(), options, args)
+    proc = launch(cluster.prefix, tmp_path / "cwd", cluster.env(), options, args)
     output = proc.communicate(timeout=120)[0]
     assert proc.returncode != 0
     assert "ranks still running; stopping the job on every host" in output, output[-4000:]
-    assert "job failed: rank 1 on node2 exited with code 3" in output
+    assert "job failed: rank 1 on 127.0.0.2 exited with code 3" in output
     assert not [p for p in psutil.process_iter() if _has_port(p, port)], "ranks left behind"
 
 

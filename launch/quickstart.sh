@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Install zerotune and train the tiny recipe under ZeRO-3 with 2 processes (2 CPU processes, or 2 GPUs when present),
+# then print a sample generation from the trained model. Run from the repository root: bash launch/quickstart.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  pip install -q torch==2.13.0            # the CPU build; GPU machines keep the torch they have
+fi
+pip install -q --no-build-isolation -e .
+port=$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
+deepspeed --num_gpus 2 --master_addr 127.0.0.1 --master_port "$port" \
+  finetune/main.py --deepspeed ds_configs/zero3.json --config recipes/tiny.yaml train.overwrite=true "$@"
