@@ -12,6 +12,7 @@ USAGE = """usage: zerotune <command> [arguments]
 commands:
   train       train in this process (use `deepspeed ... finetune/main.py` for several GPUs)
   launch      run a multi-node job from a hostfile, after preflight checks
+  export      write an HF model, a LoRA adapter or a merged model from a run's checkpoint
   preprocess  tokenize a recipe's data into the cache and report samples, tokens, drops and pack fill
 
 `zerotune <command> --help` describes each command."""
@@ -27,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         from finetune.train import main as run
     elif command == "launch":
         from finetune.launcher import main as run
+    elif command == "export":
+        from finetune.export import main as run
     elif command == "preprocess":
         from finetune.preprocess import main as run
     else:

@@ -72,6 +72,10 @@ class DataConfig:
     packing: bool = True
     """Pack several samples per row of max_seq_len tokens, attention isolated per sample."""
     shuffle: bool = True
+    mix: list[str] = field(default_factory=list)
+    """Extra sources mixed with `path` (weight 1): "PATH", "PATH:WEIGHT" or "PATH:WEIGHT:FORMAT". A weight w gives round(w x samples) per epoch (whole copies, then a subset seeded by train.seed); FORMAT defaults to `format`."""
+    num_proc: int = 1
+    """Worker processes that tokenize on the rank building the cache (0 or 1 = in this process); the result is identical."""
 
 
 @dataclass
@@ -105,6 +109,16 @@ class TrainConfig:
     log_every: int = 1
     overwrite: bool = False
     """Allow a non-empty output_dir (its old files are kept unless overwritten)."""
+    save_every: int = 0
+    """Optimizer steps between checkpoints (0 = none); the last step is always saved when > 0."""
+    keep_last: int = 2
+    """Complete checkpoints kept; older ones are removed only after a newer one is complete (0 = keep all)."""
+    resume: str | None = None
+    """`auto` = the newest complete checkpoint in output_dir (start fresh if none), or a checkpoint / run folder path."""
+    stop_at: int = 0
+    """Stop after this step (saving a checkpoint if save_every > 0), to continue later with train.resume=auto; 0 = run to max_steps."""
+    export: bool = True
+    """At the end, write <output_dir>/export: an HF model (full) or a LoRA adapter, gathered layer by layer."""
     sample_prompt: str | None = None
     """After training, greedily answer this prompt with the trained model and print it."""
     sample_max_new_tokens: int = 64

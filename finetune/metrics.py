@@ -96,7 +96,7 @@ class MetricsLog:
         mfu = f" | MFU {100 * record['mfu']:.1f}%" if record.get("mfu") is not None else ""
         print(
             f"step {step}/{self.max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-            f"grad_norm {norm} | {record['tokens_per_s']:,.0f} tok/s{mfu} | "
+            f"grad_norm {norm} | {record['tokens_per_s']:,.0f} tok/s ({record['tokens_per_s_per_gpu']:,.0f}/GPU){mfu} | "
             f"mem {record['peak_mem_gib']:.1f} GiB | ETA {_duration(eta)}",
             file=sys.stderr, flush=True,
         )

@@ -9,7 +9,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 from finetune.config import ConfigError, load_recipe
 
@@ -42,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="zerotune preprocess", description=__doc__.splitlines()[0])
     p.add_argument("--config", default=None, help="YAML recipe")
     p.add_argument("--show", type=int, default=0, metavar="N", help="print N samples with trained tokens in [[...]]")
-    p.add_argument("--dump", metavar="FILE.jsonl", help='write {"input_ids": [...], "labels": [...]} per sample')
+    p.add_argument("--dump", metavar="FILE.jsonl", help='write {"input_ids": [...], "labels": [...]} per training sample')
     p.add_argument("--cache-dir", default=None, help="default: <train.output_dir>/.cache, as training uses")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = p.parse_args(argv)
@@ -52,17 +51,25 @@ def main(argv: list[str] | None = None) -> int:
 
         recipe = load_recipe(args.config, args.overrides)
         tokenizer = load_tokenizer(recipe.model.tokenizer or recipe.model.path)
-        start = time.perf_counter()
         cache_dir = args.cache_dir or os.path.join(recipe.train.output_dir, ".cache")
         train, evaluation, report = build_datasets(recipe.data, tokenizer, recipe.train.seed, cache_dir)
     except (ConfigError, FileNotFoundError) as e:
         print(f"zerotune: error: {e}", file=sys.stderr)
         return 2
-    elapsed = time.perf_counter() - start
-    rows, fill = pack_fill(train, recipe.data.max_seq_len, recipe.data.packing)
+    data = recipe.data
+    rows, fill = pack_fill(train, data.max_seq_len, data.packing)
     print(report.summary())
-    print(f"{rows:,} rows of {recipe.data.max_seq_len} tokens per epoch, pack fill {100 * fill:.1f}%; "
-          f"{report.tokens / max(elapsed, 1e-9):,.0f} tokens/s ({elapsed:.1f} s, cache {cache_dir})")
+    if data.packing:
+        print(f"{rows:,} rows of {data.max_seq_len} tokens per epoch, pack fill {100 * fill:.1f}%")
+    else:
+        print(f"{rows:,} rows per epoch (data.packing=false: one sample per row), "
+              f"pack fill {100 * fill:.1f}% of rows as long as the longest sample")
+    if report.built_cache:
+        procs = f"{data.num_proc} processes" if data.num_proc > 1 else "1 process"
+        rate = report.tokens / max(report.tokenize_seconds, 1e-9)
+        print(f"tokenized in {report.tokenize_seconds:.1f} s on {procs} ({rate:,.0f} tokens/s), cache {cache_dir}")
+    else:
+        print(f"read from the cache {cache_dir} (nothing changed since it was built)")
     for i in range(min(args.show, len(train))):
         print(f"--- sample {i}\n{show_sample(train, i, tokenizer)}")
     if args.dump:
@@ -70,4 +77,5 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(len(train)):
                 ids, labels = train.sample(i)
                 f.write(json.dumps({"input_ids": ids.tolist(), "labels": labels.tolist()}) + "\n")
+        print(f"wrote {len(train):,} samples to {args.dump}")
     return 0

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from finetune import checkpoint
 from finetune.config import ConfigError, Recipe, load_recipe, recipe_to_dict
 from finetune.ds_config import engine_config, resolve_ds_config, zero_stage
 
@@ -28,6 +29,7 @@ class Run:
     recipe: Recipe
     ds: dict[str, Any]
     model_config: dict[str, Any]
+    resume_from: str | None = None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -49,9 +51,14 @@ def prepare(config: str | None, deepspeed_json: str, overrides: list[str]) -> Ru
     ds = resolve_ds_config(deepspeed_json, recipe, dist.world_size(), model_config["hidden_size"],
                            recipe_path=config or "recipes/mistral7b_lora.yaml")
     out = recipe.train.output_dir
-    if os.path.isdir(out) and os.listdir(out) and not recipe.train.overwrite:
-        raise ConfigError(f"train.output_dir {out!r} is not empty: choose a new one, or pass train.overwrite=true")
-    return Run(recipe, ds, model_config)
+    if os.path.isdir(out) and os.listdir(out) and not (recipe.train.overwrite or recipe.train.resume):
+        raise ConfigError(f"train.output_dir {out!r} is not empty: choose a new one, pass train.resume=auto to "
+                          f"continue it, or train.overwrite=true")
+    resume_from = checkpoint.resolve_resume(recipe.train.resume, out)
+    lora_fraction = 0.01 if recipe.lora.enabled else None
+    needed = checkpoint.estimate_checkpoint_bytes(model_config, lora_fraction) if recipe.train.save_every > 0 else 0
+    checkpoint.check_output_dir(out, needed)
+    return Run(recipe, ds, model_config, resume_from)
 
 
 def token_loss_sum(logits, targets):
@@ -91,7 +98,7 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
             yaml.safe_dump(recipe_to_dict(r), f, sort_keys=False)
         with open(os.path.join(t.output_dir, "ds_config.json"), "w") as f:
             json.dump(run.ds, f, indent=2)
-        open(os.path.join(t.output_dir, "metrics.jsonl"), "w").close()
+        _truncate_metrics(os.path.join(t.output_dir, "metrics.jsonl"), keep_until=_resume_step(run))
 
     tokenizer = load_tokenizer(r.model.tokenizer or r.model.path)
     train_data, eval_data, report = build_datasets(r.data, tokenizer, t.seed, os.path.join(t.output_dir, ".cache"))
@@ -120,11 +127,20 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
                         r.data.packing, t.seed, tokenizer.pad_id, shuffle=r.data.shuffle)
     hf_config = engine.module.config
     peak = peak_tflops()
-    log = MetricsLog(t.output_dir, t.max_steps, enabled=dist.is_main())
+    start_step = checkpoint.load(engine, run.resume_from) if run.resume_from else 0
+    if start_step:
+        # The optimizer state brought back the lr of the saved step under the saved max_steps; the schedule of
+        # this run decides the lr of the next step (they differ when max_steps was raised to train longer).
+        for group, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base * fn(scheduler.last_epoch)
+        dist.print0(f"resumed from {run.resume_from} at step {start_step}")
+    log = MetricsLog(t.output_dir, t.max_steps, enabled=dist.is_main(), start_step=start_step)
     records = []
-    sample(0)
+    if start_step == 0:
+        sample(0)
     engine.train()
-    for step in range(t.max_steps):
+    end_step = min(t.max_steps, t.stop_at) if t.stop_at else t.max_steps
+    for step in range(start_step, end_step):
         start = time.perf_counter()
         lr = optimizer.param_groups[0]["lr"]
         micro_batches = loader.step(step)
@@ -163,21 +179,47 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
         log.write(record)
         if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
             log.progress(record)
-        last = step + 1 == t.max_steps
+        last = step + 1 == end_step
         if eval_data is not None and ((t.eval_every and (step + 1) % t.eval_every == 0) or last):
             eval_loss = evaluate(engine, eval_data, r, world, rank, tokenizer.pad_id, device)
             records.append({"step": step + 1, "eval_loss": eval_loss})
             log.write(records[-1])
             dist.print0(f"eval at step {step + 1}: loss {eval_loss:.4f}")
-    sample(t.max_steps)
+        if t.save_every > 0 and ((step + 1) % t.save_every == 0 or last):
+            meta = {"recipe": recipe_to_dict(r), "ds_config": run.ds}
+            path = checkpoint.save(engine, t.output_dir, step + 1, t.keep_last, meta)
+            dist.print0(f"saved {path}")
+    sample(end_step)
     if dist.is_main() and samples:
         with open(os.path.join(t.output_dir, "samples.jsonl"), "w") as f:
             f.writelines(json.dumps(s) + "\n" for s in samples)
+    if t.export:
+        from finetune.export import export_engine
+
+        path = export_engine(engine, os.path.join(t.output_dir, "export"), tokenizer, r.lora.enabled)
+        dist.print0(f"exported {path}")
     if on_end is not None:
         on_end(engine)
     dist.barrier()
     _release(engine, keepalive)
     return records
+
+
+def _resume_step(run: Run) -> int:
+    if not run.resume_from:
+        return 0
+    with open(os.path.join(run.resume_from, checkpoint.MARKER)) as f:
+        return int(json.load(f)["step"])
+
+
+def _truncate_metrics(path: str, keep_until: int) -> None:
+    """Keep the records of steps <= keep_until: a resumed run rewrites what came after its checkpoint."""
+    kept = []
+    if keep_until > 0 and os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= keep_until]
+    with open(path, "w") as f:
+        f.writelines(kept)
 
 
 def _release(engine, keepalive) -> None:

@@ -1,6 +1,6 @@
-"""A stand-in for finetune/main.py in launcher tests: start the process group, all-reduce a few numbers, log them.
+"""A tiny entry point for launcher tests whose ranks must misbehave on purpose: all-reduce a number per step, log it.
 
-    zerotune launch --hostfile H --script tests/launch_probe.py -- steps=5 train.output_dir=DIR [fail_rank=1 fail_step=3 survivor=hang]
+    zerotune launch --hostfile H --script tests/launch_probe.py -- steps=5 train.output_dir=DIR [fail_rank=1]
 
 Each step rank 0 appends {"step", "loss", "world"} to DIR/metrics.jsonl, "loss" being an all-reduced number that
 depends on every rank. `fail_rank` exits with code 3 at `fail_step`; `survivor=hang` makes the other ranks stop

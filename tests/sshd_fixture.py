@@ -39,7 +39,7 @@ def free_port(address: str = "127.0.0.1") -> int:
 
 
 def write_ssh_wrapper(root: str, aliases: dict[str, tuple[str, int]], key: str | None = None) -> str:
-    """Write `root/bin/ssh` that runs the real ssh with `root/ssh_config` mapping each alias to (loopback address, port).
+    """Write `root/bin/ssh`, the real ssh reading `root/ssh_config`, which maps each alias to (loopback address, port).
 
     Returns the bin folder to put first on PATH.
     """
@@ -86,8 +86,9 @@ class IsolatedNetwork:
             ["unshare", "--net", "sh", "-c", "ip link set lo up && echo ready && exec sleep 86400"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         )
-        if self.proc.stdout.readline().strip() == "ready":
-            self.prefix = ["nsenter", f"--net=/proc/{self.proc.pid}/ns/net"]
+        prefix = ["nsenter", f"--net=/proc/{self.proc.pid}/ns/net"]
+        if self.proc.stdout.readline().strip() == "ready" and subprocess.run([*prefix, "true"]).returncode == 0:
+            self.prefix = prefix
         else:
             self.__exit__()
         return self

@@ -120,7 +120,8 @@ GOLDEN_CASES = {
     "two_hosts_openmpi": (["--hostfile", f"{GOLDEN}/two_hosts.hostfile", "--launcher", "openmpi"], {}),
     "four_hosts_slurm": (
         ["--launcher", "slurm"],
-        {"SLURM_JOB_NODELIST": "gpu[01-03,07]", "SLURM_GPUS_ON_NODE": "8", "SLURM_JOB_ID": "4242", "SLURM_CPUS_ON_NODE": "96"},
+        {"SLURM_JOB_NODELIST": "gpu[01-03,07]", "SLURM_GPUS_ON_NODE": "8", "SLURM_JOB_ID": "4242",
+         "SLURM_CPUS_ON_NODE": "96"},
     ),
 }
 
@@ -130,7 +131,8 @@ def test_dry_run_matches_golden(case, tmp_path, monkeypatch, capsys):
     options, extra_env = GOLDEN_CASES[case]
     for key in list(os.environ):
         monkeypatch.delenv(key)
-    for key, value in {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "NCCL_DEBUG": "WARN", "HF_TOKEN": "secret", **extra_env}.items():
+    environ = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "NCCL_DEBUG": "WARN", "HF_TOKEN": "secret", **extra_env}
+    for key, value in environ.items():
         monkeypatch.setenv(key, value)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(launcher, "_is_root", lambda: True)  # mpirun needs --allow-run-as-root as root only
@@ -153,7 +155,8 @@ def test_env_file_keeps_user_lines_and_replaces_ours():
     assert merged == "NCCL_IB_HCA=mlx5\nPATH=/venv/bin:/usr/bin\nMY_FLAG=a=b\nGLOO_SOCKET_IFNAME=lo\n"
     with pytest.raises(LaunchError, match=r"\.deepspeed_env:2: 'export X' is not KEY=VALUE"):
         merge_env_file("A=1\nexport X\n", {})
-    exports = launcher.build_exports({"NCCL_DEBUG": "INFO", "HF_TOKEN": "t", "WANDB_API_KEY": "k", "HOME": "/h", "PATH": "/bin"})
+    environ = {"NCCL_DEBUG": "INFO", "HF_TOKEN": "t", "WANDB_API_KEY": "k", "HOME": "/h", "PATH": "/bin"}
+    exports = launcher.build_exports(environ)
     assert set(exports) == {"NCCL_DEBUG", "PATH", "PYTHONPATH"} and exports["PYTHONPATH"] == ROOT
 
 
@@ -175,10 +178,13 @@ def test_master_address_comes_from_the_ssh_alias(tmp_path, monkeypatch, capsys):
 def test_job_watch_names_the_lost_rank():
     watch = JobWatch({"node1": [0, 1], "node2": [2, 3]})
     watch.feed("node1: RuntimeError: [gloo] Connection closed by peer [127.0.0.2]:1234\n")
-    assert str(watch.feed("pdsh@login: node1: ssh exited with exit code 1\n")) == "a rank of 0-1 on node1 exited with code 1"
+    failure = watch.feed("pdsh@login: node1: ssh exited with exit code 1\n")
+    assert str(failure) == "a rank of 0-1 on node1 exited with code 1"
     assert watch.feed("pdsh@login: node1: ssh exited with exit code 1\n") is None  # reported once
     watch.feed("pdsh@login: node2: ssh exited with exit code 247\n")
-    assert watch.summary().startswith("a rank of 2-3 on node2 was killed by signal 9 (SIGKILL) (after it: a rank of 0-1 on node1")
+    assert watch.summary() == (  # node1 only lost its peer: node2 is named first
+        "a rank of 2-3 on node2 was killed by signal 9 (SIGKILL) (after it: a rank of 0-1 on node1 exited with code 1)"
+    )
     mpi = JobWatch({"node1": [0], "node2": [1]})
     line = "mpirun noticed that process rank 1 with PID 77 on node node2 exited on signal 9 (Killed).\n"
     assert str(mpi.feed(line)) == "rank 1 on node2 was killed by signal 9 (SIGKILL)"
@@ -200,9 +206,8 @@ def test_preflight_names_unreachable_hosts_within_10s(tmp_path):
     with socket.socket() as silent:  # accepts TCP connections but never speaks SSH: a hung host
         silent.bind(("127.0.0.4", 0))
         silent.listen(8)
-        bin_dir = write_ssh_wrapper(
-            str(tmp_path), {"deadnode": ("127.0.0.3", free_port("127.0.0.3")), "silentnode": ("127.0.0.4", silent.getsockname()[1])}
-        )
+        aliases = {"deadnode": ("127.0.0.3", free_port("127.0.0.3")), "silentnode": silent.getsockname()}
+        bin_dir = write_ssh_wrapper(str(tmp_path), aliases)
         (tmp_path / "hosts").write_text("deadnode slots=1\nsilentnode slots=1\n")
         env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"], PYTHONPATH=ROOT)
         os.makedirs(tmp_path / "cwd")
@@ -219,6 +224,47 @@ def test_preflight_names_unreachable_hosts_within_10s(tmp_path):
     assert re.search(r"FAIL silentnode reach: ssh failed: .*(timed out|banner)", done.stdout), done.stdout
     assert "nothing was started" in done.stderr
     assert "cmd =" not in done.stdout and os.listdir(tmp_path / "cwd") == [], "no runner, no .deepspeed_env"
+
+
+def test_preflight_refuses_a_busy_master_port(tmp_path, monkeypatch, capsys):
+    """One local host: no ssh, the probe runs here; the port check fails and nothing is written or started."""
+    monkeypatch.chdir(tmp_path)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        options = ["--hostfile", f"{ROOT}/hostfiles/localhost", "--master-port", str(port)]
+        code = launcher.main([*options, "--", f"train.output_dir={tmp_path}/o"])
+    out = capsys.readouterr()
+    assert code == 1
+    assert re.search(r"localhost +ok .* +ok +\d+ in use", out.out), out.out
+    assert f"FAIL localhost port: {port} in use on the master host" in out.out
+    assert os.listdir(tmp_path) == ["o"] and os.listdir(tmp_path / "o") == [], "no .deepspeed_env, no preflight marker"
+
+
+def test_preflight_flags_hosts_that_differ(monkeypatch):
+    from finetune import preflight
+
+    cells = {"python": "3.11.7", "torch": "2.13.0", "deepspeed": "0.19.8", "zerotune": "0.1.0", "commit": "abc",
+             "source": "1234", "accelerators": "8 (slots 8)"}
+    rows = [preflight.HostRow("a", dict(cells)), preflight.HostRow("b", dict(cells, torch="2.12.0")),
+            preflight.HostRow("c", dict(cells, accelerators="0 (cpu)"))]
+    preflight._compare(rows)
+    assert rows[1].problems == ["torch: 2.12.0 here, 2.13.0 on a; every node must run the same environment and code"]
+    assert rows[2].problems == ["accelerators: 0 (cpu) here, 8 (slots 8) on a"]
+    assert "2.12.0 *" in preflight.PreflightReport(rows, [], 0.1).table()
+
+
+def test_openmpi_filters_whole_hosts_through_a_hostfile(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    hosts = f"{GOLDEN}/four_hosts.hostfile"
+    args = ["--hostfile", hosts, "--launcher", "openmpi", "--master-port", "29611", "--dry-run"]
+    assert launcher.main([*args, "--exclude", "127.0.0.2@127.0.0.3"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"runs/hostfile-\w{8}:\n127.0.0.1 slots=2\n127.0.0.4 slots=2\n", out), out
+    assert re.search(r"--hostfile runs/hostfile-\w{8} ", out) and "WORLD_SIZE=4" in out
+    assert launcher.main([*args, "--include", "127.0.0.1:0"]) == 2
+    assert "openmpi places ranks on whole hosts" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- real runs on two loopback "nodes"
@@ -274,7 +320,8 @@ def losses(out: str) -> list[float]:
 def single_node_losses(tmp_path_factory, netns):
     tmp = tmp_path_factory.mktemp("single")
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
-    proc = launch(netns, tmp / "cwd", env, ["--hostfile", f"{ROOT}/hostfiles/localhost"], tiny_args(str(tmp / "out"), 4))
+    options = ["--hostfile", f"{ROOT}/hostfiles/localhost"]
+    proc = launch(netns, tmp / "cwd", env, options, tiny_args(str(tmp / "out"), 4))
     output = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, output[-4000:]
     return losses(str(tmp / "out"))
@@ -283,7 +330,8 @@ def single_node_losses(tmp_path_factory, netns):
 @pytest.mark.parametrize("backend", ["pdsh", "openmpi"])
 def test_two_nodes_match_single_node(backend, cluster, hostfile, single_node_losses, tmp_path):
     out = str(tmp_path / "out")
-    proc = launch(cluster.prefix, tmp_path / "cwd", cluster.env(), ["--hostfile", hostfile, "--launcher", backend], tiny_args(out, 4))
+    options = ["--hostfile", hostfile, "--launcher", backend]
+    proc = launch(cluster.prefix, tmp_path / "cwd", cluster.env(), options, tiny_args(out, 4))
     output = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, output[-4000:]
     assert re.search(r"127.0.0.1 +ok .*ok, shared +free", output), output
@@ -294,7 +342,8 @@ def test_two_nodes_match_single_node(backend, cluster, hostfile, single_node_los
     assert two_nodes == pytest.approx(single_node_losses, rel=1e-5)
     with open(tmp_path / "cwd" / ".deepspeed_env") as f:
         env_file = f.read()
-    assert "GLOO_SOCKET_IFNAME=lo" in env_file and f"PYTHONPATH={ROOT}" in env_file and "TORCH_EXTENSIONS_DIR=" in env_file
+    for line in ("GLOO_SOCKET_IFNAME=lo", f"PYTHONPATH={ROOT}", "TORCH_EXTENSIONS_DIR="):
+        assert line in env_file
 
 
 def _rank_pid(port: int, rank: int, deadline: float) -> int:
@@ -302,7 +351,8 @@ def _rank_pid(port: int, rank: int, deadline: float) -> int:
     while time.monotonic() < deadline:
         for p in psutil.process_iter(["cmdline"]):
             try:
-                if "-u" in (p.info["cmdline"] or []) and p.environ().get("MASTER_PORT") == str(port) and p.environ().get("RANK") == str(rank):
+                env, cmdline = p.environ(), p.info["cmdline"] or []
+                if "-u" in cmdline and env.get("MASTER_PORT") == str(port) and env.get("RANK") == str(rank):
                     return p.pid
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
@@ -331,7 +381,7 @@ def test_watchdog_stops_a_hung_survivor(cluster, hostfile, tmp_path):
     """Rank 1 fails while rank 0 hangs (as in a stuck NCCL call): the launcher stops rank 0 itself after the grace."""
     port = free_port()
     options = ["--hostfile", hostfile, "--master-port", str(port), "--failure-grace", "2", "--script", PROBE]
-    args = ["steps=1000", "pause=0.05", "fail_rank=1", "fail_step=5", "survivor=hang", f"train.output_dir={tmp_path}/out"]
+    args = ["steps=1000", "pause=0.05", "fail_rank=1", "fail_step=5", "survivor=hang", f"train.output_dir={tmp_path}/o"]
     proc = launch(cluster.prefix, tmp_path / "cwd", cluster.env(), options, args)
     output = proc.communicate(timeout=120)[0]
     assert proc.returncode != 0

@@ -1,24 +1,37 @@
-"""Records -> plugin -> input_ids/labels -> over-long policy -> tokenized cache, shared by all ranks.
+"""Records -> plugin -> input_ids/labels -> over-long policy -> tokenized cache, shared by all ranks; then eval split and mixing.
 
     train, evaluation, report = build_datasets(recipe.data, tokenizer, seed=42, cache_dir="runs/x/.cache")
 
 Plugins (finetune/data/formats.py, or a module named in data.plugins) see one record at a time and never
 ranks, padding or samplers; the loader (finetune/data/loader.py) is the one place where ranks meet data.
+This module imports neither torch nor the loader at import time: tokenizer worker processes import it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
+import math
 import os
+import pickle
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from finetune import __version__
 from finetune.config import ConfigError, DataConfig
-from finetune.data.loader import TokenizedData
-from finetune.data.sources import file_fingerprint, read_records
+from finetune.data.sources import Source, file_fingerprint, parse_mix, parse_raw, read_raw
+
+if TYPE_CHECKING:
+    from finetune.data.loader import TokenizedData
+
+CHUNK_RECORDS = 256  # records per worker task: large enough to amortise pickling, small enough to spread a small file
+_COUNTS = ("records", "dropped_overlong", "truncated", "dropped_no_target")
 
 
 @dataclass
@@ -30,115 +43,339 @@ class DataReport:
     truncated: int = 0
     dropped_no_target: int = 0
     eval_samples: int = 0
+    built_cache: bool = False
+    """True if this rank tokenized at least one source (False: every source came from the cache)."""
+    tokenize_seconds: float = 0.0
+    """Time this rank spent tokenizing and writing the cache."""
+    sources: list[dict[str, Any]] = field(default_factory=list)
+    """Per source: path, format, weight, samples (after drops and eval hold-out) and used (after weighting)."""
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
-        return (f"{self.samples:,} training samples, {self.tokens:,} tokens ({self.target_tokens:,} trained), "
+        text = (f"{self.samples:,} training samples, {self.tokens:,} tokens ({self.target_tokens:,} trained), "
                 f"{self.eval_samples:,} eval samples; dropped {self.dropped_overlong:,} over-long and "
                 f"{self.dropped_no_target:,} with nothing to train, truncated {self.truncated:,}")
+        if len(self.sources) > 1:
+            text += "; mix: " + ", ".join(f"{s['path']} {s['samples']:,} x {s['weight']:g} = {s['used']:,}"
+                                          for s in self.sources)
+        return text + "".join(f"; {note}" for note in self.notes)
 
 
-def tokenize_file(path: str, cfg: DataConfig, tokenizer, report: DataReport) -> TokenizedData:
-    """Every record of one file through its format plugin; errors name the file and line or row."""
-    from finetune.data.registry import Encoder, RecordError, get_format, load_plugins
+# --- tokenizing: the same chunk function runs in this process or in each pool worker ----------------------
 
-    load_plugins(cfg.plugins)
-    fmt = get_format(cfg.format)
-    encoder = Encoder(tokenizer, train_on_inputs=cfg.train_on_inputs)
-    samples = []
-    seen = 0
-    for where, record in read_records(path):
-        seen += 1
-        try:
-            sample = fmt(record, encoder)
-        except (RecordError, ValueError, TypeError, KeyError) as e:
-            raise ConfigError(f"{where}: {e}") from None
-        ids, labels = list(sample.input_ids), list(sample.labels)
-        if len(ids) > cfg.max_seq_len:
-            if cfg.overlong == "drop":
-                report.dropped_overlong += 1
+class _ChunkEncoder:
+    """(where, raw record) chunk -> flat int32 ids/labels, sample lengths and drop counts."""
+
+    def __init__(self, tokenizer, format_name: str, format_fn, cfg: DataConfig):
+        from finetune.data.registry import Encoder
+
+        self.format_name, self.format_fn = format_name, format_fn
+        self.encoder = Encoder(tokenizer, train_on_inputs=cfg.train_on_inputs)
+        self.max_seq_len, self.overlong = cfg.max_seq_len, cfg.overlong
+
+    def __call__(self, chunk: list[tuple[str, Any]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, int]]:
+        from finetune.data.registry import RecordError
+
+        counts = dict.fromkeys(_COUNTS, 0)
+        ids_flat: list[int] = []
+        labels_flat: list[int] = []
+        lengths: list[int] = []
+        for where, raw in chunk:
+            record = parse_raw(where, raw)
+            counts["records"] += 1
+            try:
+                sample = self.format_fn(record, self.encoder)
+            except (RecordError, ValueError, TypeError, KeyError) as e:
+                raise ConfigError(f"{where}: {e}") from None
+            ids, labels = list(sample.input_ids), list(sample.labels)
+            if len(ids) != len(labels):
+                raise ConfigError(f"{where}: format {self.format_name!r} returned {len(ids)} input_ids but "
+                                  f"{len(labels)} labels; they must have equal length (fix the plugin)")
+            if len(ids) > self.max_seq_len:
+                if self.overlong == "drop":
+                    counts["dropped_overlong"] += 1
+                    continue
+                ids, labels = ids[:self.max_seq_len], labels[:self.max_seq_len]
+                counts["truncated"] += 1
+            # labels[0] can never be a target (nothing predicts the first token), so it does not count.
+            if all(label == -100 for label in labels[1:]):
+                counts["dropped_no_target"] += 1
                 continue
-            ids, labels = ids[:cfg.max_seq_len], labels[:cfg.max_seq_len]
-            report.truncated += 1
-        # labels[0] can never be a target (nothing predicts the first token), so it does not count.
-        if not any(label != -100 for label in labels[1:]):
-            report.dropped_no_target += 1
-            continue
-        samples.append((ids, labels))
-    if seen == 0:
-        raise ConfigError(f"{path}: the dataset is empty: no records found")
-    if not samples:
+            ids_flat += ids
+            labels_flat += labels
+            lengths.append(len(ids))
+        return (np.array(ids_flat, dtype=np.int32), np.array(labels_flat, dtype=np.int32),
+                np.array(lengths, dtype=np.int64), counts)
+
+
+_WORKER: _ChunkEncoder | None = None  # set once per pool worker by _init_worker
+
+
+def _init_worker(encoder: _ChunkEncoder) -> None:
+    global _WORKER
+    _WORKER = encoder
+
+
+def _run_chunk(chunk: list[tuple[str, Any]]):
+    return _WORKER(chunk)
+
+
+def _chunks(pairs: Iterable[tuple[str, Any]], size: int) -> Iterator[list[tuple[str, Any]]]:
+    chunk = []
+    for pair in pairs:
+        chunk.append(pair)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _pool_map(encoder: _ChunkEncoder, chunks: Iterator[list], num_proc: int) -> Iterator[tuple]:
+    """encoder(chunk) for each chunk on `num_proc` workers, results in input order (so identical to num_proc=1).
+
+    Workers are spawned, not forked: the parent may hold CUDA, gloo/NCCL threads and a Rust tokenizer's
+    thread pool, none of which survive a fork safely. At most 2 x num_proc chunks are in flight, so a large
+    file is never read into memory ahead of the workers.
+    """
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(num_proc, initializer=_init_worker, initargs=(encoder,)) as pool:
+        pending: deque = deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(_run_chunk, (chunk,)))
+            if len(pending) >= 2 * num_proc:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def tokenize_file(path: str, cfg: DataConfig, tokenizer, report: DataReport, format: str | None = None) -> TokenizedData:
+    """Every record of one file through its format plugin (`format`, default data.format), on data.num_proc
+    processes; adds the drop counts to `report`. Errors name the file and line or row."""
+    from finetune.data.loader import TokenizedData
+    from finetune.data.registry import get_format
+
+    name = format or cfg.format
+    encoder = _ChunkEncoder(tokenizer, name, get_format(name), cfg)
+    chunks = _chunks(read_raw(path), CHUNK_RECORDS)
+    if cfg.num_proc > 1:
+        _check_picklable(encoder, name)
+        results = list(_pool_map(encoder, chunks, cfg.num_proc))
+    else:
+        results = [encoder(chunk) for chunk in chunks]
+    counts = {k: sum(r[3][k] for r in results) for k in _COUNTS}
+    for k in _COUNTS[1:]:
+        setattr(report, k, getattr(report, k) + counts[k])
+    if counts["records"] == 0:
+        raise ConfigError(f"{path}: the dataset is empty: no records found; point the recipe at a file with records")
+    lengths = np.concatenate([r[2] for r in results])
+    if len(lengths) == 0:
         raise ConfigError(
-            f"{path}: all {seen} records were dropped ({report.dropped_overlong} longer than data.max_seq_len="
-            f"{cfg.max_seq_len}, {report.dropped_no_target} with no trained tokens): raise data.max_seq_len, "
-            f"set data.overlong=truncate, or check data.format={cfg.format!r}"
+            f"{path}: all {counts['records']} records were dropped ({counts['dropped_overlong']} longer than "
+            f"data.max_seq_len={cfg.max_seq_len}, {counts['dropped_no_target']} with no trained tokens): raise "
+            f"data.max_seq_len, set data.overlong=truncate, or check data.format={name!r}"
         )
-    return TokenizedData.from_samples(samples)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return TokenizedData(np.concatenate([r[0] for r in results]), np.concatenate([r[1] for r in results]), offsets)
 
 
-def cache_key(path: str, cfg: DataConfig, tokenizer) -> str:
+def _check_picklable(encoder: _ChunkEncoder, name: str) -> None:
+    try:
+        pickle.dumps(encoder)
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise ConfigError(f"data.num_proc > 1 needs format {name!r} and the tokenizer to be importable by worker "
+                          f"processes ({e}): define the format at module level in a `data.plugins` module, "
+                          f"or set data.num_proc=1") from None
+
+
+# --- the cache: built once per node, read by every rank -------------------------------------------------
+
+def _code_fingerprint(format_name: str) -> str:
+    """Hash of the code that turns records into tokens, so editing a plugin or the template rebuilds the cache."""
+    from finetune.data import template
+    from finetune.data.registry import get_format
+
+    h = hashlib.sha256()
+    for module_file in sorted({inspect.getsourcefile(get_format(format_name)), inspect.getsourcefile(template)}):
+        with open(module_file, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def cache_key(path: str, cfg: DataConfig, tokenizer, format: str | None = None) -> str:
+    """Names a source's cache entry: data content, tokenizer, format code and every setting that changes the tokens."""
+    name = format or cfg.format
     parts = {
         "data": file_fingerprint(path),
         "tokenizer": tokenizer.fingerprint(),
-        "format": cfg.format,
+        "format": name,
+        "code": _code_fingerprint(name),
         "plugins": cfg.plugins,
         "max_seq_len": cfg.max_seq_len,
         "overlong": cfg.overlong,
         "train_on_inputs": cfg.train_on_inputs,
         "version": __version__,
-    }
+    }  # not num_proc: the tokens do not depend on it
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def load_or_tokenize(path: str, cfg: DataConfig, tokenizer, cache_dir: str, report: DataReport) -> TokenizedData:
-    """Tokenize on the first rank of each node into `cache_dir`; the other ranks wait and read it."""
-    from finetune import dist
+_ARRAYS = ("input_ids", "labels", "offsets")
 
-    key = cache_key(path, cfg, tokenizer)
-    file = os.path.join(cache_dir, f"{key}.npz")
-    meta = os.path.join(cache_dir, f"{key}.json")
-    if dist.local_rank() == 0 and not os.path.exists(file):
-        os.makedirs(cache_dir, exist_ok=True)
-        local = DataReport()
-        data = tokenize_file(path, cfg, tokenizer, local)
-        tmp = f"{file}.{os.getpid()}.tmp.npz"
-        np.savez(tmp, input_ids=data.input_ids, labels=data.labels, offsets=data.offsets)
-        with open(f"{meta}.{os.getpid()}.tmp", "w") as f:
-            json.dump({"source": path, **{k: v for k, v in local.__dict__.items() if k != "notes"}}, f)
-        os.replace(f"{meta}.{os.getpid()}.tmp", meta)
-        os.replace(tmp, file)  # atomic: readers see the whole cache or none
-    dist.barrier()
-    with np.load(file) as z:
-        data = TokenizedData(z["input_ids"], z["labels"], z["offsets"])
-    with open(meta) as f:
+
+def _save(base: str, data: TokenizedData, meta: dict[str, Any]) -> None:
+    tmp = f".{os.getpid()}.tmp"
+    for name in _ARRAYS:
+        with open(f"{base}.{name}{tmp}", "wb") as f:
+            np.save(f, getattr(data, name))
+        os.replace(f"{base}.{name}{tmp}", f"{base}.{name}.npy")
+    with open(f"{base}.json{tmp}", "w") as f:
+        json.dump(meta, f)
+    # The metadata file is written last and atomically: a reader that sees it sees complete arrays.
+    os.replace(f"{base}.json{tmp}", f"{base}.json")
+
+
+def load_or_tokenize(path: str, cfg: DataConfig, tokenizer, cache_dir: str, report: DataReport,
+                     format: str | None = None) -> TokenizedData:
+    """Tokenize on the first rank of each node into `cache_dir` unless already there; every rank then reads it.
+
+    Arrays are memory-mapped, so the ranks of a node share one copy in the page cache.
+    """
+    from finetune import dist
+    from finetune.data.loader import TokenizedData
+
+    base = os.path.join(cache_dir, cache_key(path, cfg, tokenizer, format))
+    ok = False
+    try:
+        if dist.local_rank() == 0 and not os.path.exists(f"{base}.json"):
+            os.makedirs(cache_dir, exist_ok=True)
+            start = time.perf_counter()
+            local = DataReport()
+            data = tokenize_file(path, cfg, tokenizer, local, format)
+            _save(base, data, {"source": path, "format": format or cfg.format,
+                               **{k: getattr(local, k) for k in _COUNTS[1:]}})
+            report.built_cache = True
+            report.tokenize_seconds += time.perf_counter() - start
+        ok = True
+    finally:
+        # Every rank joins this, also when the build raised: the waiting ranks then stop with an error
+        # instead of hanging until the process-group timeout.
+        failed = dist.all_reduce_max(0.0 if ok else 1.0)
+    if failed:
+        raise ConfigError(f"{path}: tokenizing failed on the first rank of a node; its error is in that rank's log")
+    data = TokenizedData(*(np.load(f"{base}.{name}.npy", mmap_mode="r") for name in _ARRAYS))
+    with open(f"{base}.json") as f:
         counts = json.load(f)
-    for k in ("dropped_overlong", "truncated", "dropped_no_target"):
+    for k in _COUNTS[1:]:
         setattr(report, k, getattr(report, k) + counts[k])
     return data
 
 
-def split_eval(data: TokenizedData, fraction: float, seed: int) -> tuple[TokenizedData, TokenizedData | None]:
+# --- selecting and combining samples --------------------------------------------------------------------
+
+def take(data: TokenizedData, indices: np.ndarray) -> TokenizedData:
+    """A new TokenizedData of samples `indices` (in that order, repeats allowed)."""
+    from finetune.data.loader import TokenizedData
+
+    indices = np.asarray(indices, dtype=np.int64)
+    lengths = data.lengths[indices]
+    offsets = np.zeros(len(indices) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    starts = np.asarray(data.offsets)[:-1][indices]
+    gather = np.arange(offsets[-1]) + np.repeat(starts - offsets[:-1], lengths)
+    return TokenizedData(np.asarray(data.input_ids)[gather], np.asarray(data.labels)[gather], offsets)
+
+
+def concat(parts: list[TokenizedData]) -> TokenizedData:
+    from finetune.data.loader import TokenizedData
+
+    if len(parts) == 1:
+        return parts[0]
+    lengths = np.concatenate([p.lengths for p in parts])
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return TokenizedData(np.concatenate([p.input_ids for p in parts]), np.concatenate([p.labels for p in parts]), offsets)
+
+
+def split_eval(data: TokenizedData, fraction: float, seed: int, source: int = 0) -> tuple[TokenizedData, TokenizedData | None]:
+    """(train, held-out eval): round(fraction x samples), at least 1, chosen by `seed` (and the source's index)."""
     if fraction <= 0:
         return data, None
     n_eval = max(1, int(round(len(data) * fraction)))
-    order = np.random.default_rng([seed, 12345]).permutation(len(data))
-    held = set(order[:n_eval].tolist())
-    pick = lambda keep: TokenizedData.from_samples(
-        [tuple(a.tolist() for a in data.sample(i)) for i in range(len(data)) if (i in held) != keep]
-    )
-    return pick(True), pick(False)
+    if n_eval >= len(data):
+        raise ConfigError(f"data.eval_fraction={fraction} holds out all {len(data)} samples of a source: lower it, "
+                          f"or set data.eval_path")
+    rng = np.random.default_rng([seed, 12345] if source == 0 else [seed, 12345, source])
+    held = np.zeros(len(data), dtype=bool)
+    held[rng.permutation(len(data))[:n_eval]] = True
+    return take(data, np.flatnonzero(~held)), take(data, np.flatnonzero(held))
+
+
+def weighted(data: TokenizedData, weight: float, seed: int, source: int) -> TokenizedData:
+    """round(weight x n) samples: floor(weight) whole copies, then a subset chosen by (seed, source) for the rest."""
+    if weight == 1.0:
+        return data
+    n = len(data)
+    total = int(math.floor(weight * n + 0.5))  # round half up (Python's round() goes to even)
+    copies = int(weight)
+    extra = total - copies * n
+    subset = np.sort(np.random.default_rng([seed, 6789, source]).choice(n, size=extra, replace=False))
+    return take(data, np.concatenate([np.tile(np.arange(n), copies), subset]))
+
+
+# --- the entry point ------------------------------------------------------------------------------------
+
+def resolve_sources(cfg: DataConfig) -> list[Source]:
+    """data.path (weight 1) plus data.mix, checked on every rank before anything is tokenized."""
+    from finetune.data.registry import get_format, load_plugins
+
+    if cfg.num_proc < 0:
+        raise ConfigError(f"data.num_proc must be >= 0 (0 or 1 tokenize in this process), got {cfg.num_proc}")
+    try:
+        load_plugins(cfg.plugins)
+    except ImportError as e:
+        raise ConfigError(str(e)) from None
+    for key, path in (("data.path", cfg.path), ("data.eval_path", cfg.eval_path)):
+        if path is not None and not os.path.exists(path):
+            raise ConfigError(f"{key}: data file {path!r} not found: set {key} to a local file or folder")
+    sources = [Source(cfg.path, 1.0, cfg.format, "data.format")] + parse_mix(cfg.mix, cfg.format)
+    for source in sources:
+        try:
+            get_format(source.format)
+        except ValueError as e:
+            raise ConfigError(f"{source.entry}: {e}") from None
+    return sources
 
 
 def build_datasets(cfg: DataConfig, tokenizer, seed: int, cache_dir: str) -> tuple[TokenizedData, TokenizedData | None, DataReport]:
+    """(train, eval or None, report): every source tokenized once into the cache, eval held out, then mixed.
+
+    With data.eval_fraction, each source's held-out samples are chosen before weighting, so no repeated copy
+    of an eval sample is trained on.
+    """
+    sources = resolve_sources(cfg)
     report = DataReport()
-    train = load_or_tokenize(cfg.path, cfg, tokenizer, cache_dir, report)
+    train_parts, eval_parts = [], []
+    for k, source in enumerate(sources):
+        data = load_or_tokenize(source.path, cfg, tokenizer, cache_dir, report, source.format)
+        if not cfg.eval_path and cfg.eval_fraction > 0:
+            data, held = split_eval(data, cfg.eval_fraction, seed, source=k)
+            eval_parts.append(held)
+        used = weighted(data, source.weight, seed, k)
+        if len(used) == 0:
+            report.notes.append(f"{source.entry} contributes no samples (weight {source.weight:g} x {len(data)})")
+        report.sources.append({"path": source.path, "format": source.format, "weight": source.weight,
+                               "samples": len(data), "used": len(used)})
+        train_parts.append(used)
+    train = concat(train_parts)
     evaluation = None
     if cfg.eval_path:
         evaluation = load_or_tokenize(cfg.eval_path, cfg, tokenizer, cache_dir, report)
-    elif cfg.eval_fraction > 0:
-        train, evaluation = split_eval(train, cfg.eval_fraction, seed)
+    elif eval_parts:
+        evaluation = concat(eval_parts)
     report.samples = len(train)
     report.tokens = int(train.offsets[-1])
-    report.target_tokens = int((train.labels != -100).sum())
+    report.target_tokens = int((np.asarray(train.labels) != -100).sum())
     report.eval_samples = len(evaluation) if evaluation is not None else 0
     return train, evaluation, report

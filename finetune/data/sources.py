@@ -1,24 +1,71 @@
 """Read records from local files: JSON/JSONL (with line numbers in errors), Parquet/CSV/Arrow and `save_to_disk` folders.
 
-    for index, record in read_records("data/train.jsonl"): ...
+    for where, record in read_records("data/train.jsonl"): ...
+    sources = parse_mix(["extra.jsonl:0.5", "chat.jsonl:2:messages"], default_format="alpaca")
 
 Our own JSON reader names the file and line of a malformed record; the other formats go through `datasets`.
+JSONL lines are handed out unparsed by `read_raw`, so tokenizer workers parse them in parallel (`parse_raw`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from finetune.config import ConfigError
 
 DATASETS_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+_MIX_SYNTAX = "write PATH, PATH:WEIGHT or PATH:WEIGHT:FORMAT (e.g. extra.jsonl:0.5:sharegpt)"
+
+
+@dataclass(frozen=True)
+class Source:
+    """One data file of a recipe, with its mixing weight and format; `entry` names it in error messages."""
+
+    path: str
+    weight: float
+    format: str
+    entry: str
+
+
+def parse_mix(entries: list[str], default_format: str) -> list[Source]:
+    """`data.mix` entries -> Sources; a bad entry raises ConfigError naming it and the expected syntax."""
+    sources = []
+    for i, entry in enumerate(entries):
+        name = f"data.mix[{i}] {entry!r}"
+        parts = entry.split(":")
+        if len(parts) > 3 or not parts[0].strip():
+            raise ConfigError(f"{name}: {_MIX_SYNTAX}")
+        path, weight, fmt = parts[0].strip(), 1.0, default_format
+        if len(parts) >= 2:
+            try:
+                weight = float(parts[1])
+            except ValueError:
+                raise ConfigError(f"{name}: weight {parts[1]!r} is not a number; {_MIX_SYNTAX}") from None
+            if not math.isfinite(weight) or weight <= 0:
+                raise ConfigError(f"{name}: weight must be a number > 0, got {parts[1]!r} (drop the entry to leave it out)")
+        if len(parts) == 3:
+            fmt = parts[2].strip()
+            if not fmt:
+                raise ConfigError(f"{name}: empty format; {_MIX_SYNTAX}")
+        if not os.path.exists(path):
+            raise ConfigError(f"{name}: data file {path!r} not found")
+        sources.append(Source(path, weight, fmt, name))
+    return sources
 
 
 def read_records(path: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """Yield (where, record) pairs; `where` names the file and line or row for error messages."""
+    for where, raw in read_raw(path):
+        yield where, parse_raw(where, raw)
+
+
+def read_raw(path: str) -> Iterator[tuple[str, str | dict[str, Any]]]:
+    """Yield (where, raw): a JSONL line's text still to parse with `parse_raw`, or an already-read record."""
     if not os.path.exists(path):
         raise ConfigError(f"data file {path!r} not found: set data.path (or data.eval_path) to a local file or folder")
     if os.path.isdir(path):
@@ -26,7 +73,7 @@ def read_records(path: str) -> Iterator[tuple[str, dict[str, Any]]]:
         return
     ext = os.path.splitext(path)[1].lower()
     if ext == ".jsonl":
-        yield from _read_jsonl(path)
+        yield from _read_jsonl_lines(path)
     elif ext == ".json":
         yield from _read_json(path)
     elif ext in DATASETS_BUILDERS:
@@ -35,18 +82,24 @@ def read_records(path: str) -> Iterator[tuple[str, dict[str, Any]]]:
         raise ConfigError(f"{path}: unknown data file type {ext!r}: use .jsonl, .json, .parquet, .csv, .arrow or a save_to_disk folder")
 
 
-def _read_jsonl(path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+def parse_raw(where: str, raw: str | dict[str, Any]) -> dict[str, Any]:
+    """The record of a `read_raw` pair; a malformed JSONL line raises ConfigError naming file and line."""
+    if not isinstance(raw, str):
+        return raw
+    try:
+        record = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: malformed JSON ({e.msg} at column {e.colno}); fix or remove that line") from None
+    if not isinstance(record, dict):
+        raise ConfigError(f"{where}: each line must be a JSON object, got {type(record).__name__}")
+    return record
+
+
+def _read_jsonl_lines(path: str) -> Iterator[tuple[str, str]]:
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno}); fix or remove that line") from None
-            if not isinstance(record, dict):
-                raise ConfigError(f"{path}:{lineno}: each line must be a JSON object, got {type(record).__name__}")
-            yield f"{path}:{lineno}", record
+            if line.strip():
+                yield f"{path}:{lineno}", line
 
 
 def _read_json(path: str) -> Iterator[tuple[str, dict[str, Any]]]:

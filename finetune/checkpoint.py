@@ -1,0 +1,165 @@
+"""Checkpoints that survive kill -9: DeepSpeed state + data position + every rank's RNG, made visible atomically.
+
+    path = save(engine, "runs/x", step=12, keep_last=2); step = load(engine, find_latest("runs/x"))
+
+Layout: <output_dir>/checkpoints/step_00000012/{engine/..., rng_rank<r>.pt, zerotune.json}. A checkpoint is written
+under `.tmp-step_...` and renamed into place by rank 0 only after every rank finished; `zerotune.json` is written
+last inside it, so a folder without it (or a `.tmp-` one) is never resumed from. Old checkpoints beyond keep_last
+are removed only after the new one is complete. The data position is the step: the loader's order depends only
+on the seed and the step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from typing import Any
+
+import numpy as np
+import torch
+
+from finetune import dist
+from finetune.config import ConfigError
+
+ENGINE_TAG = "engine"
+MARKER = "zerotune.json"
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def checkpoints_dir(output_dir: str) -> str:
+    return os.path.join(output_dir, "checkpoints")
+
+
+def complete_checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of every complete checkpoint, oldest first."""
+    root = checkpoints_dir(output_dir)
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = STEP_DIR.match(name)
+        if m and os.path.isfile(os.path.join(root, name, MARKER)):
+            found.append((int(m.group(1)), os.path.join(root, name)))
+    return sorted(found)
+
+
+def find_latest(output_dir: str) -> str | None:
+    found = complete_checkpoints(output_dir)
+    return found[-1][1] if found else None
+
+
+def resolve_resume(resume: str | None, output_dir: str) -> str | None:
+    """`auto` = newest complete checkpoint in output_dir (None if there is none yet); a path must be a complete one."""
+    if not resume:
+        return None
+    if resume == "auto":
+        return find_latest(output_dir)
+    path = resume
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, MARKER)):
+        latest = find_latest(path)  # a run folder was given
+        if latest is None:
+            raise ConfigError(f"train.resume={resume!r}: no complete checkpoint there (looked for checkpoints/step_*/{MARKER})")
+        path = latest
+    if not os.path.isfile(os.path.join(path, MARKER)):
+        raise ConfigError(f"train.resume={resume!r} is not a complete zerotune checkpoint (no {MARKER}); use train.resume=auto")
+    return path
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save(engine, output_dir: str, step: int, keep_last: int, meta: dict[str, Any]) -> str:
+    """Write checkpoint `step` on every rank; returns its final path. All ranks must call this."""
+    root = checkpoints_dir(output_dir)
+    name = f"step_{step:08d}"
+    tmp, final = os.path.join(root, f".tmp-{name}"), os.path.join(root, name)
+    if dist.is_main():
+        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a save that was killed
+        os.makedirs(tmp)
+    dist.barrier()
+    engine.save_checkpoint(tmp, tag=ENGINE_TAG, client_state={"step": step}, save_latest=False)
+    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{dist.rank()}.pt"))
+    dist.barrier()
+    if dist.is_main():
+        _write_json_atomic(os.path.join(tmp, MARKER), {"step": step, "world_size": dist.world_size(), **meta})
+        if os.path.exists(final):  # re-saving the same step (a resumed run) replaces it whole
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        for old_step, old_path in complete_checkpoints(output_dir)[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old_path, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load(engine, path: str) -> int:
+    """Restore engine, optimizer, scheduler and (same world size) this rank's RNG; returns the step to continue from."""
+    with open(os.path.join(path, MARKER)) as f:
+        meta = json.load(f)
+    engine.load_checkpoint(path, tag=ENGINE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+    rng_file = os.path.join(path, f"rng_rank{dist.rank()}.pt")
+    if meta["world_size"] == dist.world_size() and os.path.isfile(rng_file):
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    return int(meta["step"])
+
+
+def estimate_checkpoint_bytes(model_config: dict[str, Any], lora_trainable_fraction: float | None) -> int:
+    """Bytes of one checkpoint: 16-bit weights of the whole model + fp32 master, Adam moments of what is trained."""
+    from types import SimpleNamespace
+
+    from finetune.metrics import matmul_params
+
+    cfg = SimpleNamespace(**model_config)
+    total = matmul_params(cfg) + cfg.vocab_size * cfg.hidden_size
+    trained = total if lora_trainable_fraction is None else int(total * lora_trainable_fraction)
+    return 2 * total + 12 * trained
+
+
+def check_output_dir(path: str, needed_bytes: int) -> None:
+    """Fail before the first step if the run folder is not writable or cannot hold a checkpoint."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-test-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"train.output_dir {path!r} is not writable ({e.strerror}): choose another folder or fix its permissions") from None
+    free = shutil.disk_usage(path).free
+    if needed_bytes > free:
+        raise ConfigError(
+            f"train.output_dir {path!r} has {free / 2**30:.1f} GiB free but one checkpoint needs about "
+            f"{needed_bytes / 2**30:.1f} GiB: free space there, choose another folder, or set train.save_every=0"
+        )
+
+
+def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

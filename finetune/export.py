@@ -1,0 +1,197 @@
+"""Export a trained model: an HF folder (sharded safetensors) for full runs, a LoRA adapter, or LoRA merged into the base.
+
+    export_module(engine.module, "runs/x/export", tokenizer, lora=True)          # inside training, every rank calls it
+    zerotune export runs/x --out /tmp/merged --merge                           # offline, from a checkpoint
+
+Parameters are gathered one decoder layer at a time (ZeRO-3 `GatheredParameters`), copied to CPU by rank 0 and
+written in shards, so no rank ever holds the whole model at once. The folder is written under `<out>.tmp` and
+renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+from collections import defaultdict
+
+import torch
+
+from finetune import dist
+
+SHARD_BYTES = 2 * 2**30
+LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def hf_name(name: str) -> str:
+    """peft's wrapped parameter name -> the plain transformers name."""
+    return name.replace("base_model.model.", "", 1).replace(".base_layer.", ".")
+
+
+def _groups(module) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    by_layer: dict[str, list] = defaultdict(list)
+    for name, p in module.named_parameters():
+        m = LAYER.search(name)
+        by_layer[m.group(1) if m else "rest"].append((name, p))
+    return [by_layer[k] for k in sorted(by_layer, key=lambda k: (k == "rest", int(k) if k.isdigit() else 0))]
+
+
+def _gathered(params):
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+class _ShardWriter:
+    def __init__(self, folder: str, prefix: str):
+        self.folder, self.prefix = folder, prefix
+        self.current: dict[str, torch.Tensor] = {}
+        self.size, self.files, self.weight_map = 0, [], {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self.current[name] = tensor.contiguous()
+        self.size += tensor.numel() * tensor.element_size()
+        if self.size >= SHARD_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.current:
+            return
+        path = os.path.join(self.folder, f"part-{len(self.files):05d}.safetensors")
+        save_file(self.current, path, metadata={"format": "pt"})
+        self.files.append((path, list(self.current)))
+        self.current, self.size = {}, 0
+
+    def close(self) -> None:
+        self.flush()
+        if len(self.files) == 1:
+            os.rename(self.files[0][0], os.path.join(self.folder, f"{self.prefix}.safetensors"))
+            return
+        n = len(self.files)
+        for i, (path, names) in enumerate(self.files, start=1):
+            final = f"{self.prefix}-{i:05d}-of-{n:05d}.safetensors"
+            os.rename(path, os.path.join(self.folder, final))
+            self.weight_map.update({name: final for name in names})
+        with open(os.path.join(self.folder, f"{self.prefix}.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": self.weight_map}, f, indent=2)
+
+
+def export_module(module, out: str, tokenizer, lora: bool, merge: bool = False, dtype: torch.dtype | None = None) -> str:
+    """Write `out` from a (possibly ZeRO-3 partitioned) model; every rank must call this."""
+    tmp = f"{out}.tmp"
+    if dist.is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    adapter_only = lora and not merge
+    writer = _ShardWriter(tmp, "adapter_model" if adapter_only else "model")
+    for group in _groups(module):
+        if adapter_only:  # never gather the frozen base just to write the adapters
+            group = [(name, p) for name, p in group if "lora_" in name]
+        with _gathered([p for _, p in group]):
+            if not dist.is_main():
+                continue
+            tensors = {name: p.detach().to("cpu", copy=True) for name, p in group}
+            if adapter_only:
+                for name, t in tensors.items():
+                    if "lora_" in name:  # peft's file format drops the adapter name
+                        writer.add(name.replace(".default.", "."), t if dtype is None else t.to(dtype))
+                continue
+            if lora:
+                _merge_lora(module, tensors)
+            for name, t in tensors.items():
+                if "lora_" not in name:
+                    writer.add(hf_name(name), t if dtype is None else t.to(dtype))
+    if dist.is_main():
+        writer.close()
+        base = module.base_model.model if lora else module
+        if adapter_only:
+            module.peft_config["default"].save_pretrained(tmp)
+        else:
+            config = base.config
+            config.use_cache = True
+            config.save_pretrained(tmp)
+        tokenizer.save(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        os.rename(tmp, out)
+    dist.barrier()
+    return out
+
+
+def _merge_lora(module, tensors: dict[str, torch.Tensor]) -> None:
+    """W <- W + scaling * B @ A for every LoRA pair of this layer, in float32, in the base weight's dtype."""
+    for name in [n for n in tensors if n.endswith("lora_A.default.weight")]:
+        prefix = name[: -len(".lora_A.default.weight")]
+        base_key = f"{prefix}.base_layer.weight"
+        a, b = tensors[name].float(), tensors[f"{prefix}.lora_B.default.weight"].float()
+        scaling = module.get_submodule(prefix).scaling["default"]
+        merged = tensors[base_key].float() + scaling * (b @ a)
+        tensors[base_key] = merged.to(tensors[base_key].dtype)
+
+
+def export_engine(engine, out: str, tokenizer, lora: bool) -> str:
+    return export_module(engine.module, out, tokenizer, lora)
+
+
+def export_checkpoint(checkpoint_path: str, out: str, merge: bool) -> str:
+    """Offline export of a saved checkpoint, in this one process, from the engine's own fp32 master weights."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from finetune.checkpoint import ENGINE_TAG, MARKER
+    from finetune.config import load_recipe
+    from finetune.data.tokenizer import load_tokenizer
+    from finetune.ds_config import bf16_enabled, zero_stage
+    from finetune.model import build_model
+
+    with open(os.path.join(checkpoint_path, MARKER)) as f:
+        meta = json.load(f)
+    recipe, ds = meta["recipe"], meta["ds_config"]
+    tmp_recipe = os.path.join(os.path.dirname(checkpoint_path), f".export-recipe-{os.getpid()}.yaml")
+    import yaml
+
+    with open(tmp_recipe, "w") as f:
+        yaml.safe_dump(recipe, f)
+    try:
+        r = load_recipe(tmp_recipe, ["model.activation_checkpointing=none"])
+    finally:
+        os.remove(tmp_recipe)
+    plain = {"bf16": {"enabled": False}, "zero_optimization": {"stage": 0}}
+    model, _ = build_model(r.model, r.lora, plain)
+    if zero_stage(ds) == 0:
+        state = torch.load(os.path.join(checkpoint_path, ENGINE_TAG, "mp_rank_00_model_states.pt"),
+                           map_location="cpu", weights_only=False)["module"]
+    else:
+        state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_path, tag=ENGINE_TAG)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [m for m in missing if r.lora.enabled is False or "lora_" in m]:
+        raise RuntimeError(f"{checkpoint_path}: checkpoint does not match the recipe's model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    tokenizer = load_tokenizer(r.model.tokenizer or r.model.path)
+    dtype = torch.bfloat16 if bf16_enabled(ds) else torch.float32
+    return export_module(model, out, tokenizer, r.lora.enabled, merge=merge, dtype=dtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from finetune.checkpoint import resolve_resume
+    from finetune.config import ConfigError
+
+    p = argparse.ArgumentParser(prog="zerotune export", description=__doc__.splitlines()[0])
+    p.add_argument("run_dir", help="a run folder (its newest complete checkpoint) or a checkpoint folder")
+    p.add_argument("--step", type=int, default=None, help="export the checkpoint of this step")
+    p.add_argument("--out", required=True, help="folder to write")
+    p.add_argument("--merge", action="store_true", help="LoRA runs: write the base model with the adapters merged in")
+    args = p.parse_args(argv)
+    try:
+        if args.step is not None:
+            path = os.path.join(args.run_dir, "checkpoints", f"step_{args.step:08d}")
+            path = resolve_resume(path, args.run_dir)
+        else:
+            path = resolve_resume(args.run_dir, args.run_dir)
+    except ConfigError as e:
+        print(f"zerotune: error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {export_checkpoint(path, args.out, args.merge)} from {path}")
+    return 0

@@ -1,0 +1,58 @@
+"""Straight vs interrupted-and-resumed trainings in one process group, plus the engine's logits for export checks.
+
+    deepspeed --num_gpus 2 --master_addr 127.0.0.1 tests/resume_driver.py OUT.json CASES.json
+
+Each case is {"name", "deepspeed", "overrides", "kind"}: kind "straight" also records the engine's logits on a fixed
+prompt (and writes a merged export for LoRA) after its last step; "stop" and "resume" are the two halves.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import deepspeed.comm.torch  # noqa: E402
+
+deepspeed.comm.torch.build_shm_op = lambda: None  # a faster CPU all-reduce only; losses are identical without it
+
+import torch  # noqa: E402
+
+from finetune import dist  # noqa: E402
+from finetune.export import export_module  # noqa: E402
+from finetune.train import prepare, train  # noqa: E402
+from tests.helpers import TINY_RECIPE  # noqa: E402
+
+PROMPT_IDS = [1, 733, 16289, 28793, 1824, 1235, 4891, 1594, 5430, 28705, 28770, 13916, 28804, 733, 28748, 16289, 28793]
+
+
+def record_logits(out_dir: str, lora: bool):
+    def on_end(engine):
+        from finetune.data.tokenizer import load_tokenizer
+
+        engine.module.eval()
+        with torch.no_grad():
+            logits = engine.module(input_ids=torch.tensor([PROMPT_IDS])).logits.float()
+        if dist.is_main():
+            torch.save(logits, os.path.join(out_dir, "engine_logits.pt"))
+        if lora:
+            export_module(engine.module, os.path.join(out_dir, "merged"), load_tokenizer("mistral-common"), lora=True, merge=True)
+    return on_end
+
+
+def main(out: str, cases_file: str) -> None:
+    with open(cases_file) as f:
+        cases = json.load(f)
+    results = {}
+    for case in cases:
+        run = prepare(TINY_RECIPE, case["deepspeed"], case["overrides"])
+        on_end = record_logits(run.recipe.train.output_dir, run.recipe.lora.enabled) if case["kind"] == "straight" else None
+        records = train(run, on_end=on_end)
+        results[case["name"]] = [r["loss"] for r in records if "loss" in r]
+    if dist.is_main():
+        with open(out, "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    main(args[0], args[1])

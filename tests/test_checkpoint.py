@@ -1,0 +1,151 @@
+"""Exact resume and verified export, on 2 ranks with real engines (CPU, gloo, loopback).
+
+- 12 steps straight vs 6 steps, stop, resume to 12: steps 7-12 bit-identical (ZeRO-2/3, LoRA/full, fp32/bf16).
+- The export of a ZeRO-3 run (HF folder for full, adapter and merged model for LoRA, in-training and offline
+  `zerotune export`) reproduces the engine's logits on a fixed prompt.
+- A half-written checkpoint is never resumed from; an unwritable output dir fails before the first step.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from finetune import checkpoint
+from finetune.config import ConfigError
+from tests.helpers import ROOT, TINY_RECIPE, ds_variant, run_ranks, save_tiny_model
+
+CASES = [(stage, lora, bf16) for stage in (2, 3) for lora in (False, True) for bf16 in (False, True)]
+
+
+def name(stage, lora, bf16):
+    return f"zero{stage}-{'lora' if lora else 'full'}-{'bf16' if bf16 else 'fp32'}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("resume")
+    model_dir = save_tiny_model(str(tmp / "model"))
+    cases = []
+    for stage, lora, bf16 in CASES:
+        ds = ds_variant(f"zero{stage}", str(tmp / f"z{stage}-{bf16}.json"), bf16=bf16)
+        common = [f"model.path={model_dir}", "model.tokenizer=mistral-common", f"lora.enabled={str(lora).lower()}",
+                  "lora.dropout=0.1", "lora.rank=8", "data.max_seq_len=128", "optim.lr=1e-3", "optim.warmup_steps=3",
+                  "train.max_steps=12", "train.micro_batch_size=1", "train.grad_accum=2", "train.sample_prompt=null",
+                  "train.log_every=100"]
+        n = name(stage, lora, bf16)
+        straight, halves = str(tmp / n / "straight"), str(tmp / n / "halves")
+        cases += [
+            {"name": f"{n}/straight", "kind": "straight", "deepspeed": ds, "overrides": common + [f"train.output_dir={straight}"]},
+            {"name": f"{n}/stop", "kind": "stop", "deepspeed": ds,
+             "overrides": common + [f"train.output_dir={halves}", "train.save_every=6", "train.stop_at=6"]},
+            {"name": f"{n}/resume", "kind": "resume", "deepspeed": ds,
+             "overrides": common + [f"train.output_dir={halves}", "train.save_every=6", "train.resume=auto"]},
+        ]
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    run_ranks(2, os.path.join(ROOT, "tests", "resume_driver.py"), [str(tmp / "out.json"), str(tmp / "cases.json")], timeout=900)
+    return tmp, json.loads((tmp / "out.json").read_text())
+
+
+@pytest.mark.parametrize("stage, lora, bf16", CASES, ids=[name(*c) for c in CASES])
+def test_resume_continues_the_same_loss_curve(runs, stage, lora, bf16):
+    tmp, losses = runs
+    n = name(stage, lora, bf16)
+    straight, first, second = losses[f"{n}/straight"], losses[f"{n}/stop"], losses[f"{n}/resume"]
+    assert len(straight) == 12 and len(first) == 6 and len(second) == 6
+    assert first == straight[:6]
+    assert second == straight[6:], "resumed steps 7-12 must be bit-identical to the uninterrupted run"
+    metrics = [json.loads(line) for line in open(tmp / n / "halves" / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == list(range(1, 13))
+    kept = [s for s, _ in checkpoint.complete_checkpoints(str(tmp / n / "halves"))]
+    assert kept == [6, 12]
+
+
+def _prompt():
+    from tests.resume_driver import PROMPT_IDS
+
+    return torch.tensor([PROMPT_IDS])
+
+
+def _tolerance(bf16):
+    return dict(atol=1e-5, rtol=0) if not bf16 else dict(atol=2e-2, rtol=0)  # bf16: identical weights, kernels may differ
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_full_export_gives_the_engines_logits(runs, bf16):
+    from transformers import AutoModelForCausalLM
+
+    tmp, _ = runs
+    run = tmp / name(3, False, bf16) / "straight"
+    want = torch.load(run / "engine_logits.pt")
+    export = run / "export"
+    assert (export / "config.json").exists() and (export / "tokenizer.model").exists()
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.bfloat16 if bf16 else torch.float32)
+    assert next(model.parameters()).dtype == (torch.bfloat16 if bf16 else torch.float32)
+    with torch.no_grad():
+        got = model(input_ids=_prompt()).logits.float()
+    torch.testing.assert_close(got, want, **_tolerance(bf16))
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_lora_adapter_and_merged_exports_give_the_engines_logits(runs, bf16):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tmp, _ = runs
+    run = tmp / name(3, True, bf16) / "straight"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    want = torch.load(run / "engine_logits.pt")
+    assert sorted(os.listdir(run / "export")) >= ["adapter_config.json", "adapter_model.safetensors"]
+    base = AutoModelForCausalLM.from_pretrained(tmp / "model", dtype=dtype)
+    with_adapter = PeftModel.from_pretrained(base, run / "export").eval()
+    merged = AutoModelForCausalLM.from_pretrained(run / "merged", dtype=dtype).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(with_adapter(input_ids=_prompt()).logits.float(), want, **_tolerance(bf16))
+        torch.testing.assert_close(merged(input_ids=_prompt()).logits.float(), want, **_tolerance(bf16))
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_offline_export_of_a_checkpoint(runs, tmp_path, lora):
+    """`zerotune export RUN_DIR --out DIR [--merge]` from the resumed run's last checkpoint = the straight run's engine."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.export import main as export_main
+
+    tmp, _ = runs
+    n = name(3, lora, False)
+    out = tmp_path / "exported"
+    assert export_main([str(tmp / n / "halves"), "--out", str(out)] + (["--merge"] if lora else [])) == 0
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = model(input_ids=_prompt()).logits.float()
+    torch.testing.assert_close(got, torch.load(tmp / n / "straight" / "engine_logits.pt"), atol=1e-5, rtol=0)
+
+
+def test_half_written_checkpoints_are_never_resumed(tmp_path):
+    root = tmp_path / "checkpoints"
+    (root / "step_00000006").mkdir(parents=True)
+    (root / "step_00000006" / checkpoint.MARKER).write_text('{"step": 6, "world_size": 1}')
+    (root / ".tmp-step_00000009").mkdir()  # killed in the middle of a save
+    (root / "step_00000012").mkdir()  # no marker: never completed
+    assert checkpoint.find_latest(str(tmp_path)) == str(root / "step_00000006")
+    assert checkpoint.resolve_resume("auto", str(tmp_path)) == str(root / "step_00000006")
+    with pytest.raises(ConfigError, match="not a complete zerotune checkpoint"):
+        checkpoint.resolve_resume(str(root / "step_00000012"), str(tmp_path))
+
+
+def test_unwritable_output_dir_fails_before_training(tmp_path):
+    """A path below a regular file cannot be created, even by root (file permissions do not stop root)."""
+    from finetune.train import prepare
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("keep me")
+    with pytest.raises(ConfigError, match=f"train.output_dir '{blocker}/run' is not writable"):
+        prepare(TINY_RECIPE, os.path.join(ROOT, "ds_configs", "zero2.json"), [f"train.output_dir={blocker}/run"])
+    assert blocker.read_text() == "keep me"
+
+
+def test_full_output_dir_fails_before_training(tmp_path):
+    with pytest.raises(ConfigError, match=r"has .* GiB free but one checkpoint needs about .* set train.save_every=0"):
+        checkpoint.check_output_dir(str(tmp_path), needed_bytes=1 << 62)
