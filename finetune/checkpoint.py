@@ -16,6 +16,7 @@ import os
 import random
 import re
 import shutil
+import socket
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,9 @@ from finetune import dist
 from finetune.config import ConfigError
 
 ENGINE_TAG = "engine"
+UNIVERSAL_TAG = "universal"  # the same state converted for another world size (DeepSpeed universal checkpoint)
 MARKER = "zerotune.json"
+WRITE_PROBE = ".write-test-"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -107,11 +110,37 @@ def save(engine, output_dir: str, step: int, keep_last: int, meta: dict[str, Any
     return final
 
 
+def saved_world_size(path: str) -> int:
+    with open(os.path.join(path, MARKER)) as f:
+        return int(json.load(f)["world_size"])
+
+
+def prepare_reshard(path: str) -> None:
+    """Convert a checkpoint saved on another number of ranks to DeepSpeed's universal format (once, atomically).
+
+    The engine must then be created with {"checkpoint": {"load_universal": true}}; `load` picks the universal copy.
+    """
+    from argparse import Namespace
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    final, tmp = os.path.join(path, UNIVERSAL_TAG), os.path.join(path, f".tmp-{UNIVERSAL_TAG}")
+    if dist.is_main() and not os.path.isdir(final):
+        shutil.rmtree(tmp, ignore_errors=True)
+        ds_to_universal.main(Namespace(input_folder=os.path.join(path, ENGINE_TAG), output_folder=tmp,
+                                       num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+                                       strict=True, inject_missing_state=True))
+        os.rename(tmp, final)
+    dist.barrier()
+
+
 def load(engine, path: str) -> int:
     """Restore engine, optimizer, scheduler and (same world size) this rank's RNG; returns the step to continue from."""
     with open(os.path.join(path, MARKER)) as f:
         meta = json.load(f)
-    engine.load_checkpoint(path, tag=ENGINE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+    resharded = meta["world_size"] != dist.world_size()
+    engine.load_checkpoint(path, tag=UNIVERSAL_TAG if resharded else ENGINE_TAG, load_optimizer_states=True,
+                           load_lr_scheduler_states=True)
     rng_file = os.path.join(path, f"rng_rank{dist.rank()}.pt")
     if meta["world_size"] == dist.world_size() and os.path.isfile(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=False))
@@ -134,7 +163,7 @@ def check_output_dir(path: str, needed_bytes: int) -> None:
     """Fail before the first step if the run folder is not writable or cannot hold a checkpoint."""
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write-test-{os.getpid()}")
+        probe = os.path.join(path, f"{WRITE_PROBE}{socket.gethostname()}-{os.getpid()}")
         with open(probe, "w") as f:
             f.write("ok")
         os.remove(probe)

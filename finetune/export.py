@@ -133,8 +133,12 @@ def _merge_lora(module, tensors: dict[str, torch.Tensor]) -> None:
         tensors[base_key] = merged.to(tensors[base_key].dtype)
 
 
-def export_engine(engine, out: str, tokenizer, lora: bool) -> str:
-    return export_module(engine.module, out, tokenizer, lora)
+def export_engine(engine, out: str, tokenizer, lora: bool, merge: bool = False) -> str:
+    """Export from a live engine. ZeRO-3 may still hold parameters gathered (or prefetched, in flight) by the last
+    forward, e.g. a sample generation; they are released first, or gathering them again fails."""
+    if hasattr(engine, "empty_partition_cache"):
+        engine.empty_partition_cache()
+    return export_module(engine.module, out, tokenizer, lora, merge=merge)
 
 
 def export_checkpoint(checkpoint_path: str, out: str, merge: bool) -> str:

@@ -51,7 +51,9 @@ def prepare(config: str | None, deepspeed_json: str, overrides: list[str]) -> Ru
     ds = resolve_ds_config(deepspeed_json, recipe, dist.world_size(), model_config["hidden_size"],
                            recipe_path=config or "recipes/mistral7b_lora.yaml")
     out = recipe.train.output_dir
-    if os.path.isdir(out) and os.listdir(out) and not (recipe.train.overwrite or recipe.train.resume):
+    # Other ranks may be probing the folder right now (check_output_dir's .write-test-* files): not content.
+    content = [f for f in os.listdir(out) if not f.startswith(checkpoint.WRITE_PROBE)] if os.path.isdir(out) else []
+    if content and not (recipe.train.overwrite or recipe.train.resume):
         raise ConfigError(f"train.output_dir {out!r} is not empty: choose a new one, pass train.resume=auto to "
                           f"continue it, or train.overwrite=true")
     resume_from = checkpoint.resolve_resume(recipe.train.resume, out)
@@ -109,8 +111,13 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
     dist.print0(f"model: {total:,} parameters, {trainable:,} trainable ({100 * trainable / total:.2f}%), "
                 f"ZeRO-{zero_stage(run.ds)}, {world} rank(s)")
     optimizer, scheduler = build_optimizer(model, r.optim, t.max_steps, run.ds)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                      config=engine_config(run.ds))
+    engine_cfg = engine_config(run.ds)
+    if run.resume_from and checkpoint.saved_world_size(run.resume_from) != world:
+        dist.print0(f"resuming a checkpoint of {checkpoint.saved_world_size(run.resume_from)} rank(s) on {world}: "
+                    f"converting it to a universal checkpoint")
+        checkpoint.prepare_reshard(run.resume_from)
+        engine_cfg["checkpoint"] = {"load_universal": True}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=engine_cfg)
     device = dist.device()
     synced = zero_stage(run.ds) == 3 and world > 1
     own_clipping = zero_stage(run.ds) == 0  # gradients are all-reduced in the boundary backward, before step()
@@ -254,7 +261,10 @@ def evaluate(engine, data, recipe: Recipe, world: int, rank: int, pad_id: int, d
 
 
 def main(argv: list[str] | None = None) -> int:
+    from finetune import dist
+
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    dist.adopt_openmpi_env()  # under mpirun, WORLD_SIZE must be known before the DeepSpeed JSON is resolved
     try:
         run = prepare(args.config, args.deepspeed, args.overrides)
     except ConfigError as e:

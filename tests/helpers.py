@@ -29,6 +29,8 @@ def loopback_env(**extra: str) -> dict[str, str]:
         PYTHONUNBUFFERED="1",
         TOKENIZERS_PARALLELISM="false",
         OMP_NUM_THREADS="1",
+        # The venv's ninja first: /usr/bin/ninja would discard its build log and JIT-rebuild DeepSpeed's ops.
+        PATH=VENV_BIN + os.pathsep + env.get("PATH", ""),
     )
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".cache", "torch_extensions"))
     env.update(extra)

@@ -18,7 +18,7 @@ deepspeed.comm.torch.build_shm_op = lambda: None  # a faster CPU all-reduce only
 import torch  # noqa: E402
 
 from finetune import dist  # noqa: E402
-from finetune.export import export_module  # noqa: E402
+from finetune.export import export_engine  # noqa: E402
 from finetune.train import prepare, train  # noqa: E402
 from tests.helpers import TINY_RECIPE  # noqa: E402
 
@@ -35,7 +35,7 @@ def record_logits(out_dir: str, lora: bool):
         if dist.is_main():
             torch.save(logits, os.path.join(out_dir, "engine_logits.pt"))
         if lora:
-            export_module(engine.module, os.path.join(out_dir, "merged"), load_tokenizer("mistral-common"), lora=True, merge=True)
+            export_engine(engine, os.path.join(out_dir, "merged"), load_tokenizer("mistral-common"), lora=True, merge=True)
     return on_end
 
 

@@ -17,6 +17,7 @@ from finetune.config import ConfigError
 from tests.helpers import ROOT, TINY_RECIPE, ds_variant, run_ranks, save_tiny_model
 
 CASES = [(stage, lora, bf16) for stage in (2, 3) for lora in (False, True) for bf16 in (False, True)]
+RESHARD_STAGES = (2, 3)
 
 
 def name(stage, lora, bf16):
@@ -43,9 +44,30 @@ def runs(tmp_path_factory):
             {"name": f"{n}/resume", "kind": "resume", "deepspeed": ds,
              "overrides": common + [f"train.output_dir={halves}", "train.save_every=6", "train.resume=auto"]},
         ]
-    (tmp / "cases.json").write_text(json.dumps(cases))
-    run_ranks(2, os.path.join(ROOT, "tests", "resume_driver.py"), [str(tmp / "out.json"), str(tmp / "cases.json")], timeout=900)
-    return tmp, json.loads((tmp / "out.json").read_text())
+    # Another world size: 2 ranks x accumulation 2 <-> 1 rank x accumulation 4 (the same global batch).
+    reshard = {1: [], 2: [], 3: []}  # launch order: 2 ranks, then 1 rank, then 2 ranks again
+    for stage in RESHARD_STAGES:
+        ds = str(tmp / f"z{stage}-False.json")
+        n = name(stage, False, False)
+        common = [f"model.path={model_dir}", "model.tokenizer=mistral-common", "lora.enabled=false", "data.max_seq_len=128",
+                  "optim.lr=1e-3", "optim.warmup_steps=3", "train.max_steps=12", "train.micro_batch_size=1",
+                  "train.sample_prompt=null", "train.log_every=100", "train.save_every=6", "train.export=false"]
+        to1, to2 = str(tmp / n / "w2to1"), str(tmp / n / "w1to2")
+        reshard[1].append({"name": f"{n}/2to1-stop", "kind": "stop", "deepspeed": ds,
+                           "overrides": common + ["train.grad_accum=2", f"train.output_dir={to1}", "train.stop_at=6"]})
+        reshard[2] += [{"name": f"{n}/2to1-resume", "kind": "resume", "deepspeed": ds,
+                        "overrides": common + ["train.grad_accum=4", f"train.output_dir={to1}", "train.resume=auto"]},
+                       {"name": f"{n}/1to2-stop", "kind": "stop", "deepspeed": ds,
+                        "overrides": common + ["train.grad_accum=4", f"train.output_dir={to2}", "train.stop_at=6"]}]
+        reshard[3].append({"name": f"{n}/1to2-resume", "kind": "resume", "deepspeed": ds,
+                           "overrides": common + ["train.grad_accum=2", f"train.output_dir={to2}", "train.resume=auto"]})
+    losses = {}
+    driver = os.path.join(ROOT, "tests", "resume_driver.py")
+    for launch, (world, batch) in enumerate([(2, cases + reshard[1]), (1, reshard[2]), (2, reshard[3])]):
+        (tmp / f"cases{launch}.json").write_text(json.dumps(batch))
+        run_ranks(world, driver, [str(tmp / f"out{launch}.json"), str(tmp / f"cases{launch}.json")], timeout=900)
+        losses.update(json.loads((tmp / f"out{launch}.json").read_text()))
+    return tmp, losses
 
 
 @pytest.mark.parametrize("stage, lora, bf16", CASES, ids=[name(*c) for c in CASES])
@@ -60,6 +82,18 @@ def test_resume_continues_the_same_loss_curve(runs, stage, lora, bf16):
     assert [m["step"] for m in metrics] == list(range(1, 13))
     kept = [s for s, _ in checkpoint.complete_checkpoints(str(tmp / n / "halves"))]
     assert kept == [6, 12]
+
+
+@pytest.mark.parametrize("stage", RESHARD_STAGES)
+@pytest.mark.parametrize("direction", ["2to1", "1to2"])
+def test_resume_on_another_world_size(runs, stage, direction):
+    """The same samples in the same order, and a loss curve equal to the uninterrupted run within 1e-4 (fp32:
+    micro-batch shapes change with the world size, so float roundings do)."""
+    _, losses = runs
+    n = name(stage, False, False)
+    straight = losses[f"{n}/straight"]
+    assert losses[f"{n}/{direction}-stop"] == pytest.approx(straight[:6], abs=1e-5, rel=0)
+    assert losses[f"{n}/{direction}-resume"] == pytest.approx(straight[6:], abs=1e-4, rel=0)
 
 
 def _prompt():
@@ -149,3 +183,55 @@ def test_unwritable_output_dir_fails_before_training(tmp_path):
 def test_full_output_dir_fails_before_training(tmp_path):
     with pytest.raises(ConfigError, match=r"has .* GiB free but one checkpoint needs about .* set train.save_every=0"):
         checkpoint.check_output_dir(str(tmp_path), needed_bytes=1 << 62)
+
+
+def _launch_and_kill(args: list[str], out, until) -> None:
+    """Start 2 ranks through the deepspeed launcher, SIGKILL the whole job as soon as until(out) holds."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.helpers import VENV_BIN, free_port, loopback_env
+
+    cmd = [os.path.join(VENV_BIN, "deepspeed"), "--num_gpus", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "finetune/main.py", *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=loopback_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    try:
+        while not until(out):
+            assert proc.poll() is None, "the run ended before it could be killed"
+            assert time.time() < deadline, "the run never reached the point to kill it at"
+            time.sleep(0.002)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.parametrize("moment", ["training", "saving"])
+def test_kill_9_then_resume_continues_the_uninterrupted_curve(runs, tmp_path, moment):
+    """kill -9 of every rank mid-run (after the step-6 checkpoint) or in the middle of writing a checkpoint; resume=auto
+    continues from the last complete checkpoint with the uninterrupted run's losses, bit for bit."""
+    tmp, losses = runs
+    n = name(3, False, False)
+    straight = losses[f"{n}/straight"]
+    out = tmp_path / "run"
+    args = ["--deepspeed", str(tmp / "z3-False.json"), "--config", TINY_RECIPE, f"model.path={tmp / 'model'}",
+            "model.tokenizer=mistral-common", "lora.enabled=false", "data.max_seq_len=128", "optim.lr=1e-3",
+            "optim.warmup_steps=3", "train.max_steps=12", "train.micro_batch_size=1", "train.grad_accum=2",
+            "train.sample_prompt=null", "train.log_every=100", "train.save_every=3", f"train.output_dir={out}"]
+    ckpts = out / "checkpoints"
+    if moment == "training":
+        until = lambda o: (ckpts / "step_00000006" / checkpoint.MARKER).exists()
+    else:
+        until = lambda o: (ckpts / ".tmp-step_00000006").exists()
+    _launch_and_kill(args, out, until)
+    last = checkpoint.find_latest(str(out))
+    assert last is not None
+    resumed_from = int(last.rsplit("_", 1)[1])
+    assert resumed_from == 3 if moment == "saving" else resumed_from >= 6
+    run_ranks(2, "finetune/main.py", args + ["train.resume=auto"], timeout=300)
+    metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == list(range(1, 13))
+    assert [m["loss"] for m in metrics] == straight
+    assert not list(ckpts.glob(".tmp-*")), "the half-written checkpoint is cleaned up by the next save of that step"

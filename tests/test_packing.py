@@ -136,26 +136,32 @@ def test_step_holds_the_same_samples_whatever_the_world_size():
         assert step_samples(1, 4, step) == step_samples(4, 1, step) == step_samples(2, 2, step)
 
 
-def test_ranks_get_balanced_token_loads():
+def test_balance_gives_each_rank_its_rows_within_one_row_of_tokens():
     rng = np.random.default_rng(0)
-    worst = 1.0
-    for trial in range(50):
-        lengths = rng.integers(16, 2048, size=int(rng.integers(200, 600))).tolist()
-        rows = [sum(lengths[i] for i in row) for row in pack_ffd(lengths, 2048)]
-        for ranks in (2, 3, 4, 8):
-            per_rank = len(rows) // ranks
-            step_rows = rows[:ranks * per_rank]
-            assigned = balance(step_rows, ranks, per_rank)
-            assert sorted(i for a in assigned for i in a) == list(range(len(step_rows)))
-            assert all(len(a) == per_rank for a in assigned)
-            loads = [sum(step_rows[i] for i in a) for a in assigned]
-            assert max(loads) - min(loads) <= max(step_rows)
-            worst = max(worst, max(loads) / min(loads))
-    assert worst < 1.02, worst
-    # A step whose rows differ wildly still stays within one row's tokens.
-    loads = [sum([2048, 10, 10, 10, 1500, 600, 30, 2000][i] for i in a)
-             for a in balance([2048, 10, 10, 10, 1500, 600, 30, 2000], 2, 4)]
-    assert max(loads) / min(loads) < 1.1, loads
+    for _ in range(300):
+        ranks, per_rank = int(rng.integers(1, 9)), int(rng.integers(1, 9))
+        rows = rng.integers(0, 2049, size=ranks * per_rank).tolist()
+        assigned = balance(rows, ranks, per_rank)
+        assert sorted(i for a in assigned for i in a) == list(range(len(rows)))
+        assert all(len(a) == per_rank for a in assigned)
+        loads = [sum(rows[i] for i in a) for a in assigned]
+        assert max(loads) - min(loads) <= max(rows)
+
+
+@pytest.mark.parametrize("world,mbs,gas", [(2, 2, 2), (4, 1, 2), (3, 1, 3), (8, 1, 1)])
+def test_ranks_get_balanced_token_loads_on_bundled_chat(tok, tmp_path, world, mbs, gas):
+    data, _, _ = build_datasets(DataConfig(path=SAMPLE_CHAT, format="messages", max_seq_len=1024), tok, 0, str(tmp_path))
+    loaders = [StepLoader(data, mbs, gas, world, rank, 1024, True, seed=1, pad_id=tok.pad_id) for rank in range(world)]
+    full_steps = 0
+    for step in range(loaders[0].steps_per_epoch):
+        loads = [sum(int(mb["sample_lengths"].sum()) for mb in loader.step(step)) for loader in loaders]
+        assert max(loads) - min(loads) <= 1024  # never more than one row apart
+        # FFD leaves one part-filled row per epoch and the last step is topped up with empty rows; when a
+        # step's rows are full, the ranks' loads are within 2% (5% with one row per rank: nothing to balance).
+        if sum(loads) >= 0.95 * 1024 * mbs * gas * world:
+            full_steps += 1
+            assert max(loads) / min(loads) <= (1.02 if mbs * gas > 1 else 1.05), (step, loads)
+    assert full_steps >= loaders[0].steps_per_epoch - 2
 
 
 def test_pack_ffd_fits_and_is_near_optimal():

@@ -99,7 +99,8 @@ def test_bf16_matches_plain_pytorch(matrix, world, stage, lora):
 def test_one_rank_accumulating_equals_two_ranks(matrix, name):
     one, two = matrix[1][name], matrix[2][name]
     assert one["target_tokens"] == two["target_tokens"]
-    tolerance = 1e-4 if "bf16" in name else 1e-5  # micro-batch shapes differ, so roundings do
+    # Micro-batch shapes differ, so roundings do: fp32 agrees to 1e-5, bf16 to 1e-3.
+    tolerance = 1e-3 if "bf16" in name else 1e-5
     assert one["loss"] == pytest.approx(two["loss"], abs=tolerance, rel=0)
 
 
