@@ -57,6 +57,13 @@ def prepare(config: str | None, deepspeed_json: str, overrides: list[str]) -> Ru
         raise ConfigError(f"train.output_dir {out!r} is not empty: choose a new one, pass train.resume=auto to "
                           f"continue it, or train.overwrite=true")
     resume_from = checkpoint.resolve_resume(recipe.train.resume, out)
+    if resume_from and zero_stage(ds) == 3 and checkpoint.saved_world_size(resume_from) != dist.world_size():
+        # Measured: DeepSpeed 0.19.8's universal conversion of a ZeRO-3 checkpoint restores the weights exactly but
+        # not Adam's state, so the loss curve drifts (1e-2 within 5 steps); ZeRO-1/2 continue within 1e-4.
+        raise ConfigError(
+            f"{resume_from} was saved by {checkpoint.saved_world_size(resume_from)} rank(s) under ZeRO-3; resume it on "
+            f"that many ranks, or export it (zerotune export) and start a new run: ZeRO-3 checkpoints do not "
+            f"reshard exactly to {dist.world_size()} rank(s) (ZeRO-1/2 checkpoints do)")
     lora_fraction = 0.01 if recipe.lora.enabled else None
     needed = checkpoint.estimate_checkpoint_bytes(model_config, lora_fraction) if recipe.train.save_every > 0 else 0
     checkpoint.check_output_dir(out, needed)
@@ -85,7 +92,7 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
     from finetune.data.loader import StepLoader
     from finetune.data.tokenizer import load_tokenizer
     from finetune.generate import answer
-    from finetune.metrics import MetricsLog, peak_memory_gib, peak_tflops, training_flops
+    from finetune.metrics import MetricsLog, peak_memory_gib, peak_reserved_gib, peak_tflops, training_flops
     from finetune.model import build_model, trainable_parameters
     from finetune.optim import build_optimizer, clip_grad_norm_exact
 
@@ -181,6 +188,7 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
             "mfu": flops / elapsed / world / (peak * 1e12) if peak else None,
             "step_time_s": elapsed,
             "peak_mem_gib": dist.all_reduce_max(peak_memory_gib()),
+            "peak_reserved_gib": dist.all_reduce_max(peak_reserved_gib()),
         }
         records.append(record)
         log.write(record)

@@ -1,0 +1,222 @@
+"""Per-GPU memory of a fine-tune before running it: model states per ZeRO stage, activations, and the fastest fit.
+
+    zerotune estimate --config recipes/mistral7b_lora.yaml --deepspeed ds_configs/zero3.json --gpus 2 --gpu-memory-gib 141
+
+Model states follow the ZeRO paper for mixed-precision Adam: per trained parameter 2 bytes of bf16 weight, 2 of gradient
+and 12 of optimizer state (fp32 master 4, Adam m and v 8); frozen (LoRA base) parameters cost their weight only.
+ZeRO-1 splits the optimizer states over the N data-parallel ranks, ZeRO-2 also the gradients, ZeRO-3 also the weights.
+Activations are what autograd saves for backward in transformers' Mistral (bf16, sdpa), counted tensor by tensor and
+checked against torch's saved-tensor hooks in tests/test_estimate.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from typing import Any
+
+GIB = 2**30
+# Fastest first, as in the DeepSpeed and HF guides: ZeRO-0..2 move as much data as plain data parallelism, ZeRO-3
+# adds an all-gather of the weights in forward and backward, offloading adds PCIe traffic and a CPU optimizer step.
+SPEED_ORDER = [(0, False, False), (1, False, False), (2, False, False), (2, True, False), (3, False, False), (3, True, True)]
+FIT_FRACTION = 0.9  # the rest of the GPU goes to the CUDA context, NCCL buffers and allocator fragmentation
+
+
+def _dims(cfg: dict[str, Any]) -> tuple[int, int, int, int, int, int]:
+    """(hidden, intermediate, q width, kv width, layers, vocab) of a Mistral config.json."""
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or h // heads
+    kv = cfg.get("num_key_value_heads") or heads
+    return h, cfg["intermediate_size"], heads * head_dim, kv * head_dim, cfg["num_hidden_layers"], cfg["vocab_size"]
+
+
+def linear_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each projection of one decoder layer, and of lm_head."""
+    h, i, q, kv, _, vocab = _dims(cfg)
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h), "lm_head": (h, vocab)}
+
+
+def count_parameters(cfg: dict[str, Any]) -> int:
+    """Exact parameter count: embeddings, GQA attention, SwiGLU MLP, RMSNorms, lm_head (unless tied)."""
+    h, _, _, _, layers, vocab = _dims(cfg)
+    shapes = linear_shapes(cfg)
+    per_layer = sum(a * b for name, (a, b) in shapes.items() if name != "lm_head") + 2 * h  # + two RMSNorm weights
+    if cfg.get("attention_bias"):
+        per_layer += sum(shapes[n][1] for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    if cfg.get("mlp_bias"):
+        per_layer += sum(shapes[n][1] for n in ("gate_proj", "up_proj", "down_proj"))
+    head = 0 if cfg.get("tie_word_embeddings", False) else h * vocab
+    return vocab * h + layers * per_layer + h + head
+
+
+def _lora(lora_cfg: Any) -> dict[str, Any] | None:
+    """The LoRA settings as a dict (from LoraConfig or a dict), or None for full fine-tuning."""
+    if lora_cfg is None:
+        return None
+    d = dataclasses.asdict(lora_cfg) if dataclasses.is_dataclass(lora_cfg) else dict(lora_cfg)
+    if not d.get("enabled", True):
+        return None
+    targets = list(d.get("target_modules") or [])
+    unknown = [t for t in targets if t not in linear_shapes({"hidden_size": 8, "num_attention_heads": 1,
+                                                             "intermediate_size": 8, "num_hidden_layers": 1,
+                                                             "vocab_size": 8})]
+    if unknown or not targets:
+        raise ValueError(f"lora.target_modules {targets!r}: the estimator knows q_proj, k_proj, v_proj, o_proj, "
+                         f"gate_proj, up_proj, down_proj and lm_head")
+    return {"rank": int(d["rank"]), "targets": targets, "dropout": float(d.get("dropout", 0.0))}
+
+
+def lora_parameters(cfg: dict[str, Any], lora_cfg: Any) -> int:
+    """Adapter parameters: rank x (in + out) for every targeted projection of every layer (A is r x in, B is out x r)."""
+    lora = _lora(lora_cfg)
+    if lora is None:
+        return 0
+    shapes, layers = linear_shapes(cfg), cfg["num_hidden_layers"]
+    return sum(lora["rank"] * sum(shapes[t]) * (1 if t == "lm_head" else layers) for t in lora["targets"])
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def estimate_model_states(config_dict: dict[str, Any], lora_cfg: Any, stage: int, world: int,
+                          offload_optimizer: bool = False, offload_params: bool = False,
+                          dtype_bytes: int = 2) -> dict[str, int]:
+    """Bytes per rank of weights, gradients and optimizer states on the GPU, and what offloading puts in CPU memory.
+
+    dtype_bytes is the weights' width: 2 for bf16; 4 for fp32 (zerotune's ZeRO-0, whose bf16 is torch autocast).
+    A separate fp32 master exists when weights are 16-bit, and always under ZeRO-1/2/3 (DeepSpeed keeps an fp32
+    partition of its own even for fp32 weights).
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    if offload_optimizer and stage == 0:
+        raise ValueError("optimizer offload needs ZeRO-1, 2 or 3")
+    if offload_params and (stage != 3 or not offload_optimizer):
+        raise ValueError("parameter offload needs ZeRO-3 with optimizer offload")
+    total = count_parameters(config_dict)
+    trained = lora_parameters(config_dict, lora_cfg) or total
+    frozen = total - trained if _lora(lora_cfg) is None else total  # LoRA adds adapters on top of the frozen base
+    n = max(1, world)
+    weights = dtype_bytes * (trained + frozen)
+    params = _ceil_div(weights, n) if stage == 3 else weights
+    grads = _ceil_div(dtype_bytes * trained, n) if stage >= 2 else dtype_bytes * trained
+    master = 4 * trained if (stage > 0 or dtype_bytes < 4) else 0
+    optimizer = master + 8 * trained  # + Adam's exp_avg and exp_avg_sq, fp32
+    optimizer = _ceil_div(optimizer, n) if stage >= 1 else optimizer
+    cpu = 0
+    if offload_optimizer:
+        # The fp32 master and Adam step on the CPU; the gradient partition is copied there in fp32. Under ZeRO-2/3 the
+        # GPU keeps only the reduce buckets (counted in buffers), under ZeRO-1 the full 16-bit gradients.
+        cpu = optimizer + _ceil_div(4 * trained, n)
+        optimizer = 0
+        grads = grads if stage == 1 else 0
+    if offload_params:
+        cpu, params = cpu + params, 0
+    return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer, "cpu": cpu,
+            "parameters": trained + frozen, "trained_parameters": trained}
+
+
+def _layer_bytes(cfg: dict[str, Any], lora: dict[str, Any] | None, seq_len: int, d: int, attn: str, packing: bool,
+                 mask_bytes: int, first: bool = False) -> float:
+    """Bytes autograd saves per token in one decoder layer (transformers' Mistral, traced with saved-tensor hooks)."""
+    h, i, q, kv, _, _ = _dims(cfg)
+    heads = cfg["num_attention_heads"]
+    shapes = linear_shapes(cfg)
+    masked = attn != "sdpa" or packing  # with a mask, transformers repeats k/v to every head before attention
+    kv_saved = q if masked else kv
+    if attn == "sdpa":
+        # q, k, v after RoPE, the output (also o_proj's input), fp32 log-sum-exp; a packed batch's block-diagonal
+        # mask is materialised per layer in the activations' dtype.
+        attention = d * (2 * q + 2 * kv_saved) + 4 * heads + (d * seq_len if packing else 0)
+    else:
+        # eager: q, k, v, o_proj's input, and the fp32 softmax plus its 16-bit copy for every (query, key) pair.
+        attention = d * (2 * q + 2 * kv_saved) + heads * seq_len * (4 + d)
+    norm_full = 4 * h + 4 + 2 * d * h  # fp32 input, rstd, normalised x (weight grad), output (projections' input)
+    if lora is None:
+        return 2 * norm_full + attention + 4 * d * i  # gate, up, silu(gate), product (down_proj's input)
+    norm = 4 * h + 4  # frozen weights: neither the normalised x nor the projections' input is needed
+    mlp = 3 * d * i  # silu(gate)'s input, and both factors of the product
+    adapters = 0.0
+    shared = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "gate_proj": "mlp_in", "up_proj": "mlp_in",
+              "o_proj": "attn_out", "down_proj": "down_in"}
+    inputs_saved = set()
+    for t in lora["targets"]:
+        if t == "lm_head":
+            continue
+        width = shapes[t][0]
+        adapters += d * lora["rank"]  # lora_A's output, saved by lora_B
+        if lora["dropout"] > 0:
+            # each adapter drops its own copy of the input: lora_A keeps it, dropout keeps the mask (none is needed
+            # in the first layer, where nothing upstream is trained)
+            no_mask = first and shared[t] == "attn_in"
+            adapters += d * width + (0 if no_mask else mask_bytes * width)
+        elif shared[t] not in inputs_saved and shared[t] != "attn_out":  # attn_out is attention's saved output
+            inputs_saved.add(shared[t])
+            adapters += d * width
+    return (norm if first else 2 * norm) + (norm if first else 0) - (norm if first else 0) + attention + mlp + adapters
+
+
+def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: int, micro_batch: int,
+                         checkpointing: str = "full", dtype_bytes: int = 2, attn_implementation: str = "sdpa",
+                         packing: bool = True, dropout_mask_bytes: int = 1) -> dict[str, float]:
+    """Activation bytes of one micro-batch (rows of seq_len tokens) per GPU, at the peak of backward.
+
+    checkpointing: none keeps every layer's activations; full keeps each layer's input and recomputes one layer at a
+    time in backward; selective (zerotune's) recomputes every second layer. The loss adds the 16-bit logits kept by the
+    training loop, their fp32 copy and the fp32 log-softmax (10 bytes per vocabulary entry per token in bf16).
+    dropout_mask_bytes: CUDA's dropout keeps a bool mask; the CPU kernel keeps one in the input's dtype.
+    """
+    if checkpointing not in ("none", "selective", "full"):
+        raise ValueError(f"checkpointing must be none, selective or full, got {checkpointing!r}")
+    lora = _lora(lora_cfg)
+    h, _, q, _, layers, vocab = _dims(config_dict)
+    tokens = seq_len * micro_batch
+    d = dtype_bytes
+    per_layer = _layer_bytes(config_dict, lora, seq_len, d, attn_implementation, packing, dropout_mask_bytes)
+    first = per_layer
+    if lora is not None:
+        first = _layer_bytes(config_dict, lora, seq_len, d, attn_implementation, packing, dropout_mask_bytes, first=True)
+    kept = {"none": layers, "selective": layers // 2, "full": 0}[checkpointing]  # layers 1, 3, 5... are not recomputed
+    recomputed = layers - kept
+    if lora is not None and checkpointing == "none":
+        saved_layers = first + (layers - 1) * per_layer
+    else:
+        saved_layers = kept * per_layer + recomputed * d * h  # a checkpointed layer keeps only its input
+    recompute = per_layer if recomputed else 0.0  # one layer's activations rebuilt at a time in backward
+    rope = 2 * d * (q // config_dict["num_attention_heads"])  # cos and sin, shared by every layer
+    lm_head_trained = lora is None or "lm_head" in lora["targets"]
+    final_norm = 4 * h + 4 + (2 * d * h if lm_head_trained else 0)
+    ids = 8 if lora is None else 0  # the embedding's backward needs the token ids
+    loss_saved = 4 * vocab  # fp32 log-softmax, kept for backward
+    loss_transient = (d + 4) * vocab  # the 16-bit logits held by the loop and their fp32 copy
+    out = {
+        "layers": tokens * saved_layers,
+        "recompute": tokens * recompute,
+        "other": tokens * (rope + final_norm + ids),
+        "logits": tokens * (loss_saved + loss_transient),
+    }
+    out["saved"] = out["layers"] + out["other"] + tokens * loss_saved  # what autograd holds after forward
+    out["total"] = out["layers"] + out["recompute"] + out["other"] + out["logits"]
+    return out
+
+
+def estimate_buffers(config_dict: dict[str, Any], ds: dict[str, Any], stage: int, dtype_bytes: int) -> int:
+    """DeepSpeed's working buffers: gradient reduce buckets (ZeRO-1/2/3) and, under ZeRO-3, the gathered weights of the
+    module being computed plus the prefetched next one."""
+    zero = ds.get("zero_optimization", {})
+    h = config_dict["hidden_size"]
+    if stage == 0:
+        return 0
+    bucket = zero.get("reduce_bucket_size", 5e8)
+    bucket = h * h if bucket == "auto" else int(bucket)
+    buffers = bucket * dtype_bytes * (2 if zero.get("overlap_comm") else 1)
+    if stage == 3:
+        shapes = linear_shapes(config_dict)
+        layer = sum(a * b for n, (a, b) in shapes.items() if n != "lm_head")
+        buffers += 2 * max(layer, h * config_dict["vocab_size"]) * dtype_bytes
+    return buffers
