@@ -55,20 +55,22 @@ def find_latest(output_dir: str) -> str | None:
 
 
 def resolve_resume(resume: str | None, output_dir: str) -> str | None:
-    """`auto` = newest complete checkpoint in output_dir (None if there is none yet); a path must be a complete one."""
+    """`auto` = newest complete checkpoint in output_dir (None if there is none yet); else a checkpoint or run folder."""
     if not resume:
         return None
     if resume == "auto":
         return find_latest(output_dir)
-    path = resume
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, MARKER)):
-        latest = find_latest(path)  # a run folder was given
-        if latest is None:
-            raise ConfigError(f"train.resume={resume!r}: no complete checkpoint there (looked for checkpoints/step_*/{MARKER})")
-        path = latest
-    if not os.path.isfile(os.path.join(path, MARKER)):
-        raise ConfigError(f"train.resume={resume!r} is not a complete zerotune checkpoint (no {MARKER}); use train.resume=auto")
-    return path
+    if not os.path.isdir(resume):
+        raise ConfigError(f"train.resume={resume!r} does not exist: give a run folder, a checkpoints/step_* folder, or auto")
+    if STEP_DIR.match(os.path.basename(os.path.normpath(resume))):
+        if not os.path.isfile(os.path.join(resume, MARKER)):
+            raise ConfigError(f"train.resume={resume!r} is not a complete zerotune checkpoint (no {MARKER}: its save "
+                              f"never finished); use train.resume=auto to take the newest complete one")
+        return resume
+    latest = find_latest(resume)
+    if latest is None:
+        raise ConfigError(f"train.resume={resume!r}: no complete checkpoint there (looked for checkpoints/step_*/{MARKER})")
+    return latest
 
 
 def _rng_state() -> dict[str, Any]:

@@ -14,6 +14,8 @@ commands:
   launch      run a multi-node job from a hostfile, after preflight checks
   export      write an HF model, a LoRA adapter or a merged model from a run's checkpoint
   preprocess  tokenize a recipe's data into the cache and report samples, tokens, drops and pack fill
+  compare     run one recipe under several ZeRO stages; write a summary table and plots
+  estimate    per-GPU memory of every ZeRO stage for a recipe, and the fastest that fits
 
 `zerotune <command> --help` describes each command."""
 
@@ -32,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
         from finetune.export import main as run
     elif command == "preprocess":
         from finetune.preprocess import main as run
+    elif command == "compare":
+        from finetune.compare import main as run
+    elif command == "estimate":
+        from finetune.estimate import main as run
     else:
         print(f"zerotune: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

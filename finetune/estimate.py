@@ -134,8 +134,10 @@ def _layer_bytes(cfg: dict[str, Any], lora: dict[str, Any] | None, seq_len: int,
         # mask is materialised per layer in the activations' dtype.
         attention = d * (2 * q + 2 * kv_saved) + 4 * heads + (d * seq_len if packing else 0)
     else:
-        # eager: q, k, v, o_proj's input, and the fp32 softmax plus its 16-bit copy for every (query, key) pair.
-        attention = d * (2 * q + 2 * kv_saved) + heads * seq_len * (4 + d)
+        # eager: q, k, v, the fp32 softmax plus its 16-bit copy for every (query, key) pair, and o_proj's input when
+        # something keeps it (a trained o_proj, or its adapter without dropout).
+        keeps_out = lora is None or ("o_proj" in lora["targets"] and lora["dropout"] == 0)
+        attention = d * (q + 2 * kv_saved + (q if keeps_out else 0)) + heads * seq_len * (4 + d)
     norm_full = 4 * h + 4 + 2 * d * h  # fp32 input, rstd, normalised x (weight grad), output (projections' input)
     if lora is None:
         return 2 * norm_full + attention + 4 * d * i  # gate, up, silu(gate), product (down_proj's input)
@@ -158,7 +160,8 @@ def _layer_bytes(cfg: dict[str, Any], lora: dict[str, Any] | None, seq_len: int,
         elif shared[t] not in inputs_saved and shared[t] != "attn_out":  # attn_out is attention's saved output
             inputs_saved.add(shared[t])
             adapters += d * width
-    return (norm if first else 2 * norm) + (norm if first else 0) - (norm if first else 0) + attention + mlp + adapters
+    norms = norm if first else 2 * norm  # the first layer's input norm: its input (the frozen embedding) needs no grad
+    return norms + attention + mlp + adapters
 
 
 def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: int, micro_batch: int,
@@ -220,3 +223,144 @@ def estimate_buffers(config_dict: dict[str, Any], ds: dict[str, Any], stage: int
         layer = sum(a * b for n, (a, b) in shapes.items() if n != "lm_head")
         buffers += 2 * max(layer, h * config_dict["vocab_size"]) * dtype_bytes
     return buffers
+
+
+def precision_bytes(ds: dict[str, Any], stage: int) -> tuple[int, int]:
+    """(weight bytes, activation bytes) under a DeepSpeed JSON: bf16 weights, except zerotune's ZeRO-0 whose bf16 is
+    torch autocast over fp32 weights (DeepSpeed's bf16 at stage 0 accumulates gradients in bf16, which zerotune refuses)."""
+    bf16 = ds.get("bf16", {}).get("enabled") is True or ds.get("torch_autocast", {}).get("enabled") is True
+    if not bf16:
+        return 4, 4
+    return (4, 2) if stage == 0 else (2, 2)
+
+
+def estimate_run(model_config: dict[str, Any], recipe, ds: dict[str, Any], world: int,
+                 stage: int | None = None, offload_optimizer: bool | None = None,
+                 offload_params: bool | None = None) -> dict[str, Any]:
+    """Every term for one configuration (the stage and offloads of `ds` unless given), bytes per GPU (cpu: per rank)."""
+    zero = ds.get("zero_optimization", {})
+    stage = int(zero.get("stage", 0)) if stage is None else stage
+    if offload_optimizer is None:
+        offload_optimizer = zero.get("offload_optimizer", {}).get("device", "none") in ("cpu", "nvme")
+    if offload_params is None:
+        offload_params = zero.get("offload_param", {}).get("device", "none") in ("cpu", "nvme")
+    weight_bytes, act_bytes = precision_bytes(ds, stage)
+    lora = recipe.lora if recipe.lora.enabled else None
+    states = estimate_model_states(model_config, lora, stage, world, offload_optimizer, offload_params, weight_bytes)
+    acts = estimate_activations(model_config, lora, recipe.data.max_seq_len, recipe.train.micro_batch_size,
+                                recipe.model.activation_checkpointing, act_bytes, recipe.model.attn_implementation,
+                                recipe.data.packing)
+    buffers = estimate_buffers(model_config, ds, stage, weight_bytes)
+    name = f"ZeRO-{stage}" + (" + offload" if offload_optimizer else "")
+    file = f"zero{stage}" + ("_offload" if offload_optimizer else "") + ".json"
+    return {"config": name, "ds_config": file, "stage": stage, "offload_optimizer": offload_optimizer,
+            "offload_params": offload_params, "params": states["params"], "grads": states["grads"],
+            "optimizer": states["optimizer"], "activations": acts["total"], "buffers": buffers,
+            "total": states["total"] + acts["total"] + buffers, "cpu": states["cpu"],
+            "parameters": states["parameters"], "trained_parameters": states["trained_parameters"]}
+
+
+def estimate_table(model_config: dict[str, Any], recipe, ds: dict[str, Any], gpus: int, nodes: int,
+                   gpu_memory: float, cpu_memory: float | None) -> list[dict[str, Any]]:
+    """One row per configuration, fastest first, with whether it fits `gpu_memory` bytes (and `cpu_memory` per node)."""
+    rows = []
+    for stage, off_opt, off_par in SPEED_ORDER:
+        row = estimate_run(model_config, recipe, ds, gpus * nodes, stage, off_opt, off_par)
+        row["cpu_per_node"] = row["cpu"] * gpus
+        row["fits"] = row["total"] <= FIT_FRACTION * gpu_memory and (cpu_memory is None or row["cpu_per_node"] <= cpu_memory)
+        rows.append(row)
+    return rows
+
+
+def recommend(rows: list[dict[str, Any]]) -> str:
+    """The fastest configuration that fits, or what to change when none does."""
+    for row in rows:
+        if row["fits"]:
+            return (f"recommendation: {row['config']} (--deepspeed ds_configs/{row['ds_config']}), the fastest that fits: "
+                    f"{row['total'] / GIB:.1f} GiB per GPU")
+    smallest = min(rows, key=lambda r: r["total"])
+    return (f"recommendation: nothing fits; the smallest is {smallest['config']} at {smallest['total'] / GIB:.1f} GiB per GPU. "
+            f"Lower train.micro_batch_size or data.max_seq_len, set model.activation_checkpointing=full, "
+            f"use LoRA, or add GPUs")
+
+
+def format_table(rows: list[dict[str, Any]], chosen: str | None = None) -> str:
+    """Markdown table in GiB; `chosen` (a config name) is marked with *."""
+    cols = ["params", "grads", "optimizer", "activations", "buffers", "total"]
+    lines = ["| config | weights | grads | optimizer | activations | buffers | total / GPU | CPU / node | fits |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        name = r["config"] + (" *" if r["config"] == chosen else "")
+        cells = " | ".join(f"{r[c] / GIB:.1f}" for c in cols)
+        lines.append(f"| {name} | {cells} | {r['cpu_per_node'] / GIB:.1f} | {'yes' if r['fits'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def _local_gpu_memory() -> float | None:
+    import torch
+
+    return float(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else None
+
+
+def _local_cpu_memory() -> float | None:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from finetune.config import ConfigError, load_recipe
+    from finetune.ds_config import resolve_ds_config
+    from finetune.model import check_model_dir
+
+    p = argparse.ArgumentParser(prog="zerotune estimate", description="Per-GPU memory of every ZeRO stage, and the fastest that fits.")
+    p.add_argument("--config", metavar="PATH", default=None, help="YAML recipe (default recipes/mistral7b_lora.yaml)")
+    p.add_argument("--deepspeed", metavar="PATH", default="ds_configs/zero3.json", help="precision and buckets; its row is marked *")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs per node (default: this machine's, or 1)")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpu-memory-gib", type=float, default=None, help="memory of one GPU (default: this machine's GPU)")
+    p.add_argument("--cpu-memory-gib", type=float, default=None, help="memory of one node, for offloading (default: this machine's)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    gpus = args.gpus
+    if gpus is None:
+        import torch
+
+        gpus = max(1, torch.cuda.device_count())
+    gpu_memory = args.gpu_memory_gib * GIB if args.gpu_memory_gib else _local_gpu_memory()
+    if gpus < 1 or args.nodes < 1:
+        print("zerotune estimate: error: --gpus and --nodes must be >= 1", file=sys.stderr)
+        return 2
+    if gpu_memory is None:
+        print("zerotune estimate: error: no GPU here to read the memory of: pass --gpu-memory-gib (e.g. 80 or 141)", file=sys.stderr)
+        return 2
+    cpu_memory = args.cpu_memory_gib * GIB if args.cpu_memory_gib else _local_cpu_memory()
+    try:
+        recipe = load_recipe(args.config, args.overrides)
+        model_config = check_model_dir(recipe.model)
+        ds = resolve_ds_config(args.deepspeed, recipe, gpus * args.nodes, model_config["hidden_size"],
+                               recipe_path=args.config or "recipes/mistral7b_lora.yaml")
+        rows = estimate_table(model_config, recipe, ds, gpus, args.nodes, gpu_memory, cpu_memory)
+        chosen = estimate_run(model_config, recipe, ds, gpus * args.nodes)["config"]
+    except (ConfigError, ValueError) as e:
+        print(f"zerotune estimate: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    r, first = recipe, rows[0]
+    kind = (f"LoRA r{r.lora.rank} on {','.join(r.lora.target_modules)}" if r.lora.enabled else "full fine-tuning")
+    print(f"model: {r.model.path} ({first['parameters']:,} parameters; {kind}: {first['trained_parameters']:,} trained)")
+    print(f"per GPU: micro-batch {r.train.micro_batch_size} x {r.data.max_seq_len} tokens, activation checkpointing "
+          f"{r.model.activation_checkpointing}, {r.model.attn_implementation}; {gpus} GPU(s) x {args.nodes} node(s)")
+    print(f"GPU memory {gpu_memory / GIB:.1f} GiB: a configuration fits when its estimate is <= {FIT_FRACTION:.0%} of it; "
+          f"GiB per GPU, * = {args.deepspeed}\n")
+    print(format_table(rows, chosen))
+    print("\n" + recommend(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

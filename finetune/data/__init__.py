@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import itertools
 import json
 import math
 import os
@@ -159,7 +160,9 @@ def tokenize_file(path: str, cfg: DataConfig, tokenizer, report: DataReport, for
     name = format or cfg.format
     encoder = _ChunkEncoder(tokenizer, name, get_format(name), cfg)
     chunks = _chunks(read_raw(path), CHUNK_RECORDS)
-    if cfg.num_proc > 1:
+    first = list(itertools.islice(chunks, 2))
+    chunks = itertools.chain(first, chunks)
+    if cfg.num_proc > 1 and len(first) > 1:  # a file of one chunk is done before a worker would have started
         _check_picklable(encoder, name)
         results = list(_pool_map(encoder, chunks, cfg.num_proc))
     else:

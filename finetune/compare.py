@@ -1,0 +1,270 @@
+"""`zerotune compare`: train one recipe under several ZeRO stages, one after another, and summarise speed, memory and loss.
+
+    zerotune compare --config recipes/tiny.yaml --stages 0 1 2 3 --steps 10 --gpus 2 --out runs/compare
+
+Each stage is a real `deepspeed` launch of finetune/main.py with ds_configs/zero{stage}.json (and zero{2,3}_offload.json
+with --offload) on 127.0.0.1, its run folder DIR/<name>. DIR gets summary.md, summary.json, throughput_memory.png and
+loss_curves.png. A stage whose losses differ from the first stage's by more than the tolerance is flagged: every stage
+trains the same model on the same data in the same order, so its losses must agree up to rounding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OWNED = ("train.output_dir", "train.max_steps")  # compare sets these; --out and --steps say them once for every stage
+BF16_TOLERANCE, FP32_TOLERANCE = 2e-2, 1e-4
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="zerotune compare", description="Run one recipe under several ZeRO stages and compare them.")
+    p.add_argument("--config", metavar="PATH", default=None, help="YAML recipe (default recipes/mistral7b_lora.yaml)")
+    p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
+    p.add_argument("--offload", action="store_true", help="also run zero2_offload.json and zero3_offload.json (for stages 2, 3)")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps per stage (default 20)")
+    p.add_argument("--skip-steps", type=int, default=1,
+                   help="first steps left out of throughput and step time: they include warm-up (allocator, kernel "
+                        "selection, ZeRO-3's first gathers) (default 1)")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs (processes on CPU) per run (default: this machine's GPUs, or 1)")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help=f"largest allowed |loss - first stage's loss| at any step (default {BF16_TOLERANCE} for bf16 runs, {FP32_TOLERANCE} for fp32)")
+    p.add_argument("--ds-dir", default=os.path.join(ROOT, "ds_configs"), help="folder with zero{0,1,2,3}[_offload].json")
+    p.add_argument("--out", required=True, metavar="DIR", help="one run folder per stage, and the summary")
+    p.add_argument("--overwrite", action="store_true", help="reuse a non-empty DIR (its run folders are overwritten)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="recipe overrides, the same for every stage")
+    return p.parse_args(argv)
+
+
+def build_runs(stages: list[int], offload: bool) -> list[str]:
+    """Run names, which are also the DeepSpeed JSON names: zero0, zero1, ..., zero2_offload, zero3_offload."""
+    names = [f"zero{s}" for s in dict.fromkeys(stages)]
+    if offload:
+        names += [f"zero{s}_offload" for s in dict.fromkeys(stages) if s in (2, 3)]
+    return names
+
+
+def shared_init(config: str | None, overrides: list[str], out: str, bf16: bool) -> list[str]:
+    """Overrides that make every stage load one saved random init, when the recipe builds random weights.
+
+    Under ZeRO-3, zero.Init builds the weights partition by partition and draws different random numbers than a plain
+    build, so without this ZeRO-3 would start from other weights and its losses could not be compared.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.config import load_recipe
+    from finetune.model import check_model_dir, has_weights
+
+    model = load_recipe(config, overrides).model
+    check_model_dir(model)
+    if has_weights(model.path) and not model.random_init:
+        return []
+    dest = os.path.join(out, "init_model")
+    print(f"compare: {model.path} has no weights: saving one random init (seed {model.init_seed}) to {dest} for every stage",
+          file=sys.stderr, flush=True)
+    torch.manual_seed(model.init_seed)
+    built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model.path), dtype=torch.float32)
+    # bf16 stages round the weights to bf16 anyway; ZeRO-0's fp32 weights (autocast) then start from the same values.
+    built.to(torch.bfloat16 if bf16 else torch.float32).save_pretrained(dest)
+    return [f"model.path={dest}", "model.random_init=false", f"model.tokenizer={model.tokenizer or model.path}"]
+
+
+def run_command(name: str, args: argparse.Namespace, gpus: int, port: int, init: list[str]) -> list[str]:
+    """The `deepspeed` command line of one stage: loopback rendezvous, no sample generation, no export."""
+    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    cmd = [deepspeed if os.path.exists(deepspeed) else "deepspeed", "--num_gpus", str(gpus),
+           "--master_addr", "127.0.0.1", "--master_port", str(port), os.path.join(ROOT, "finetune", "main.py"),
+           "--deepspeed", os.path.join(args.ds_dir, f"{name}.json")]
+    if args.config:
+        cmd += ["--config", args.config]
+    own = [f"train.max_steps={args.steps}", f"train.output_dir={os.path.join(args.out, name)}",
+           "train.sample_prompt=null", "train.export=false", "train.save_every=0"]
+    return cmd + list(args.overrides) + init + own + (["train.overwrite=true"] if args.overwrite else [])
+
+
+def load_steps(path: str) -> list[dict[str, Any]]:
+    """The per-step records of a metrics.jsonl (eval lines, which carry eval_loss instead of loss, are left out)."""
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r for r in records if "loss" in r]
+
+
+def summarize_run(name: str, run_dir: str, steps: list[dict[str, Any]], skip: int, world: int) -> dict[str, Any]:
+    """Throughput, MFU and step time over the steps after `skip`; peak memory over all steps; the loss curve."""
+    timed = steps[skip:] if len(steps) > skip else steps
+    seconds = sum(r["step_time_s"] for r in timed)
+    mfus = [r.get("mfu") for r in timed]
+    stage, _, offload = name.partition("_")
+    return {
+        "name": name, "run_dir": run_dir, "stage": int(stage[len("zero"):]) if stage[len("zero"):].isdigit() else None,
+        "offload": bool(offload), "world": world, "steps": [r["step"] for r in steps], "losses": [r["loss"] for r in steps],
+        "timed_steps": [r["step"] for r in timed],
+        # Totals over totals: a mean of per-step rates would overweight fast steps.
+        "tokens_per_s_per_gpu": sum(r["tokens"] for r in timed) / seconds / world if seconds else None,
+        "mfu": (sum(m * r["step_time_s"] for m, r in zip(mfus, timed)) / seconds) if seconds and None not in mfus else None,
+        "step_time_s": seconds / len(timed) if timed else None,
+        "peak_mem_gib": max((r["peak_mem_gib"] for r in steps), default=None),
+        "peak_reserved_gib": max((r["peak_reserved_gib"] for r in steps if r.get("peak_reserved_gib") is not None), default=None),
+        "final_loss": steps[-1]["loss"] if steps else None,
+    }
+
+
+def estimated_gib(run_dir: str, world: int) -> float | None:
+    """finetune.estimate's per-GPU total for the run's own resolved recipe.yaml and ds_config.json."""
+    from finetune.config import load_recipe
+    from finetune.estimate import GIB, estimate_run
+    from finetune.model import check_model_dir
+
+    recipe = load_recipe(os.path.join(run_dir, "recipe.yaml"))
+    with open(os.path.join(run_dir, "ds_config.json")) as f:
+        ds = json.load(f)
+    return estimate_run(check_model_dir(recipe.model), recipe, ds, world)["total"] / GIB
+
+
+def compare_losses(runs: list[dict[str, Any]], tolerance: float) -> None:
+    """Adds max_loss_diff (against the first run, over the steps both have) and flagged to every run."""
+    ref = runs[0]
+    for r in runs:
+        if r.get("error"):
+            r["max_loss_diff"], r["flagged"] = None, True
+            continue
+        pairs = list(zip(ref.get("losses", []), r["losses"]))
+        r["max_loss_diff"] = max((abs(a - b) for a, b in pairs), default=None)
+        missing = len(r["losses"]) != len(ref.get("losses", []))
+        r["flagged"] = missing or r["max_loss_diff"] is None or r["max_loss_diff"] > tolerance
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def write_summary(out: str, runs: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    """summary.json (everything) and summary.md (the table and how to read it)."""
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump({**meta, "runs": runs}, f, indent=2)
+    lines = [f"# ZeRO stage comparison: {meta['config']}", "",
+             f"{meta['steps']} steps per stage on {meta['gpus']} GPU(s) (processes on CPU); throughput, MFU and step time "
+             f"average steps {meta['skip_steps'] + 1}-{meta['steps']} (the first {meta['skip_steps']} left out as warm-up); "
+             f"peak memory is the largest over all steps and ranks. Losses are compared step by step with the first stage "
+             f"({runs[0]['name']}); tolerance {meta['tolerance']:g}.", "",
+             "| run | stage | offload | tok/s/GPU | MFU | step time (s) | peak allocated (GiB) | peak reserved (GiB) "
+             "| estimated (GiB) | final loss | max loss diff | flag |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in runs:
+        if r.get("error"):
+            lines.append(f"| {r['name']} | | | | | | | | | | | FAILED: {r['error']} |")
+            continue
+        mfu = None if r["mfu"] is None else 100 * r["mfu"]
+        lines.append(
+            f"| {r['name']} | {r['stage']} | {'yes' if r['offload'] else 'no'} | {_fmt(r['tokens_per_s_per_gpu'], ',.0f')} "
+            f"| {_fmt(mfu, '.1f')}{'%' if mfu is not None else ''} | {_fmt(r['step_time_s'], '.3f')} "
+            f"| {_fmt(r['peak_mem_gib'], '.2f')} | {_fmt(r['peak_reserved_gib'], '.2f')} | {_fmt(r.get('estimated_gib'), '.2f')} "
+            f"| {_fmt(r['final_loss'], '.4f')} | {_fmt(r['max_loss_diff'], '.2e')} "
+            f"| {'LOSS DIFFERS' if r['flagged'] else 'ok'} |")
+    lines += ["", *meta["notes"], "", "Plots: `throughput_memory.png`, `loss_curves.png` (drawn from the run folders "
+              "listed under `plots` in summary.json)."]
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def _default_gpus() -> int:
+    import torch
+
+    return max(1, torch.cuda.device_count())
+
+
+def main(argv: list[str] | None = None) -> int:
+    from finetune import dist
+    from finetune.config import ConfigError
+    from finetune.plots import plot_losses, plot_throughput_memory
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    owned = [o for o in args.overrides if o.partition("=")[0] in OWNED]
+    if owned:
+        print(f"zerotune compare: error: {', '.join(owned)}: compare sets these; use --out DIR and --steps N", file=sys.stderr)
+        return 2
+    if args.steps < 1:
+        print("zerotune compare: error: --steps must be >= 1", file=sys.stderr)
+        return 2
+    names = build_runs(args.stages, args.offload)
+    missing = [n for n in names if not os.path.isfile(os.path.join(args.ds_dir, f"{n}.json"))]
+    if missing:
+        print(f"zerotune compare: error: no {', '.join(m + '.json' for m in missing)} in {args.ds_dir}", file=sys.stderr)
+        return 2
+    if os.path.isdir(args.out) and os.listdir(args.out) and not args.overwrite:
+        print(f"zerotune compare: error: --out {args.out!r} is not empty: choose a new folder or pass --overwrite", file=sys.stderr)
+        return 2
+    gpus = args.gpus or _default_gpus()
+    os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
+    bf16 = any(_is_bf16(os.path.join(args.ds_dir, f"{n}.json")) for n in names)
+    try:
+        init = shared_init(args.config, args.overrides, args.out, bf16)
+    except ConfigError as e:
+        print(f"zerotune compare: error: {e}", file=sys.stderr)
+        return 2
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this machine: keep gloo's traffic on loopback
+
+    runs = []
+    for name in names:
+        run_dir, log = os.path.join(args.out, name), os.path.join(args.out, "logs", f"{name}.log")
+        cmd = run_command(name, args, gpus, dist.free_port(), init)
+        print(f"compare: {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+        with open(log, "w") as f:
+            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+        metrics = os.path.join(run_dir, "metrics.jsonl")
+        steps = load_steps(metrics) if os.path.isfile(metrics) else []
+        if code != 0 or not steps:
+            runs.append({"name": name, "run_dir": run_dir, "error": f"exit code {code}, see {log}", "losses": []})
+            print(f"compare: {name} failed (exit code {code}); its log: {log}", file=sys.stderr)
+            continue
+        run = summarize_run(name, run_dir, steps, args.skip_steps, gpus)
+        run["ds_config"] = os.path.join(args.ds_dir, f"{name}.json")
+        run["estimated_gib"] = estimated_gib(run_dir, gpus)
+        runs.append(run)
+        print(f"compare: {name}: {_fmt(run['tokens_per_s_per_gpu'], ',.0f')} tok/s/GPU, "
+              f"peak {run['peak_mem_gib']:.2f} GiB, final loss {run['final_loss']:.4f}", file=sys.stderr, flush=True)
+
+    tolerance = args.tolerance if args.tolerance is not None else (BF16_TOLERANCE if bf16 else FP32_TOLERANCE)
+    compare_losses(runs, tolerance)
+    notes = []
+    if args.steps <= args.skip_steps:
+        notes.append(f"Only {args.steps} step(s), not more than --skip-steps {args.skip_steps}: throughput averages every step, warm-up included.")
+    if not _has_cuda():
+        notes.append("On CPU, peak memory is each process's peak resident memory (Python, torch, data included), "
+                     "so it is not comparable with the estimate, which counts accelerator memory only; MFU needs a known GPU.")
+    notes.append("Estimated: finetune/estimate.py for each run's resolved recipe.yaml and ds_config.json "
+                 "(weights, gradients, optimizer states, activations, DeepSpeed buffers), to compare with peak allocated.")
+    plots = {"throughput_memory.png": plot_throughput_memory(runs, os.path.join(args.out, "throughput_memory.png")),
+             "loss_curves.png": plot_losses(runs, os.path.join(args.out, "loss_curves.png"))}
+    meta = {"config": args.config or "recipes/mistral7b_lora.yaml", "overrides": args.overrides, "steps": args.steps,
+            "skip_steps": min(args.skip_steps, args.steps - 1), "gpus": gpus, "tolerance": tolerance,
+            "init_model": init[0].partition("=")[2] if init else None, "notes": notes, "plots": {k: {"runs": v} for k, v in plots.items()}}
+    write_summary(args.out, runs, meta)
+    print(open(os.path.join(args.out, "summary.md")).read())
+    flagged = [r["name"] for r in runs if r["flagged"]]
+    if flagged:
+        print(f"compare: flagged: {', '.join(flagged)} (failed, or losses beyond {tolerance:g} of {runs[0]['name']})", file=sys.stderr)
+    return 1 if flagged else 0
+
+
+def _is_bf16(path: str) -> bool:
+    with open(path) as f:
+        ds = json.load(f)
+    return ds.get("bf16", {}).get("enabled") is True or ds.get("torch_autocast", {}).get("enabled") is True
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""`zerotune compare` end to end: the tiny recipe under ZeRO-0/1/2/3 through launch/compare.sh (real `deepspeed` launches,
+2 processes, loopback), then the summary, the loss check and the plots read back; plus the flagging logic on made-up runs."""
+
+import json
+import os
+import subprocess
+
+import pytest
+from PIL import Image
+
+from finetune.compare import compare_losses, write_summary
+from tests.helpers import ROOT, TINY_RECIPE, loopback_env
+
+STAGES = ["zero0", "zero1", "zero2", "zero3"]
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare") / "cmp"
+    cmd = ["bash", os.path.join(ROOT, "launch", "compare.sh"), "--config", TINY_RECIPE, "--stages", "0", "1", "2", "3",
+           "--steps", "3", "--gpus", "2", "--out", str(out), "data.max_seq_len=128"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=loopback_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return out, json.load(open(out / "summary.json"))
+
+
+def test_every_stage_ran_from_one_init_and_losses_agree(compared):
+    out, summary = compared
+    runs = {r["name"]: r for r in summary["runs"]}
+    assert list(runs) == STAGES
+    assert summary["tolerance"] == 2e-2  # ds_configs are bf16
+    assert summary["init_model"] == str(out / "init_model")  # tiny has no weights: one saved init for every stage
+    for name, run in runs.items():
+        steps = [json.loads(line) for line in open(out / name / "metrics.jsonl")]
+        assert [r["loss"] for r in steps] == run["losses"] and run["steps"] == [1, 2, 3], name
+        assert run["timed_steps"] == [2, 3]  # the first step is warm-up, left out of throughput
+        expected = sum(r["tokens"] for r in steps[1:]) / sum(r["step_time_s"] for r in steps[1:]) / 2
+        assert run["tokens_per_s_per_gpu"] == pytest.approx(expected)
+        assert run["max_loss_diff"] <= 2e-2 and not run["flagged"], (name, run["losses"], runs["zero0"]["losses"])
+        assert run["estimated_gib"] > 0 and run["peak_mem_gib"] > 0
+    # Same weights at step 1: every stage's first loss agrees far below the tolerance (bf16 rounding only).
+    assert max(abs(r["losses"][0] - runs["zero0"]["losses"][0]) for r in runs.values()) < 2e-3
+
+
+def test_summary_md_lists_every_stage(compared):
+    out, _ = compared
+    text = (out / "summary.md").read_text()
+    for name in STAGES:
+        assert f"| {name} | {name[-1]} | no |" in text
+    assert "LOSS DIFFERS" not in text and "the first 1 left out as warm-up" in text
+
+
+def test_plots_are_drawn_from_these_runs(compared):
+    out, summary = compared
+    run_dirs = [str(out / name) for name in STAGES]
+    for png in ("throughput_memory.png", "loss_curves.png"):
+        assert (out / png).stat().st_size > 10_000, png
+        assert summary["plots"][png]["runs"] == run_dirs
+        with Image.open(out / png) as image:
+            assert json.loads(image.text["Source"]) == run_dirs  # the PNG itself names its run folders
+            assert image.size[0] >= 600
+
+
+def _run(name, losses):
+    return {"name": name, "run_dir": f"/r/{name}", "stage": int(name[-1]), "offload": False, "losses": losses,
+            "steps": list(range(1, len(losses) + 1)), "tokens_per_s_per_gpu": 1.0, "mfu": None, "step_time_s": 1.0,
+            "peak_mem_gib": 1.0, "peak_reserved_gib": None, "estimated_gib": 1.0, "final_loss": losses[-1]}
+
+
+def test_a_stage_beyond_tolerance_is_flagged(tmp_path):
+    runs = [_run("zero0", [10.0, 9.0]), _run("zero1", [10.0, 9.019]), _run("zero3", [10.0, 9.05]), _run("zero2", [10.0])]
+    compare_losses(runs, 2e-2)
+    assert [r["flagged"] for r in runs] == [False, False, True, True]  # zero2 lost a step: flagged too
+    assert runs[2]["max_loss_diff"] == pytest.approx(0.05)
+    write_summary(str(tmp_path), runs, {"config": "x", "steps": 2, "skip_steps": 1, "gpus": 2, "tolerance": 2e-2,
+                                        "notes": [], "plots": {}})
+    text = (tmp_path / "summary.md").read_text()
+    assert text.count("LOSS DIFFERS") == 2
+    assert [r["flagged"] for r in json.load(open(tmp_path / "summary.json"))["runs"]] == [False, False, True, True]
+
+
+def test_refuses_a_used_folder_and_owned_overrides(tmp_path):
+    from finetune.compare import main
+
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "x").write_text("")
+    assert main(["--config", TINY_RECIPE, "--out", str(tmp_path / "old")]) == 2
+    assert main(["--config", TINY_RECIPE, "--out", str(tmp_path / "new"), "train.max_steps=5"]) == 2
+    assert not (tmp_path / "new").exists()
