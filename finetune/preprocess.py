@@ -66,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
               f"pack fill {100 * fill:.1f}% of rows as long as the longest sample")
     if report.built_cache:
         procs = f"{data.num_proc} processes" if data.num_proc > 1 else "1 process"
-        rate = report.tokens / max(report.tokenize_seconds, 1e-9)
-        print(f"tokenized in {report.tokenize_seconds:.1f} s on {procs} ({rate:,.0f} tokens/s), cache {cache_dir}")
+        rate = report.tokenized_tokens / max(report.tokenize_seconds, 1e-9)
+        print(f"tokenized {report.tokenized_tokens:,} tokens in {report.tokenize_seconds:.2f} s on {procs} "
+              f"({rate:,.0f} tokens/s), cache {cache_dir}")
     else:
         print(f"read from the cache {cache_dir} (nothing changed since it was built)")
     for i in range(min(args.show, len(train))):

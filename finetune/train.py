@@ -48,6 +48,7 @@ def prepare(config: str | None, deepspeed_json: str, overrides: list[str]) -> Ru
 
     recipe = load_recipe(config, overrides)
     model_config = check_model_dir(recipe.model)
+    _check_tokenizer_and_data(recipe)
     ds = resolve_ds_config(deepspeed_json, recipe, dist.world_size(), model_config["hidden_size"],
                            recipe_path=config or "recipes/mistral7b_lora.yaml")
     out = recipe.train.output_dir
@@ -68,6 +69,26 @@ def prepare(config: str | None, deepspeed_json: str, overrides: list[str]) -> Ru
     needed = checkpoint.estimate_checkpoint_bytes(model_config, lora_fraction) if recipe.train.save_every > 0 else 0
     checkpoint.check_output_dir(out, needed)
     return Run(recipe, ds, model_config, resume_from)
+
+
+def _check_tokenizer_and_data(recipe: Recipe) -> None:
+    """Fail before any rank starts work on a missing tokenizer, data file, format or plugin."""
+    from finetune.data.registry import get_format, load_plugins
+    from finetune.data.tokenizer import load_tokenizer
+
+    try:
+        load_tokenizer(recipe.model.tokenizer or recipe.model.path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"tokenizer: {e}") from None
+    try:
+        load_plugins(recipe.data.plugins)
+        get_format(recipe.data.format)
+    except (ImportError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    for key, path in (("data.path", recipe.data.path), ("data.eval_path", recipe.data.eval_path)):
+        if path and not os.path.exists(path):
+            raise ConfigError(f"{key} {path!r} not found: point it at a local JSONL/JSON/Parquet/CSV/Arrow file or a "
+                              f"save_to_disk folder")
 
 
 def token_loss_sum(logits, targets):
@@ -163,6 +184,8 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
         for mb in micro_batches:
             logits = engine(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device)).logits
             token_sum, _ = token_loss_sum(logits, mb["targets"].to(device))
+            if dist.all_reduce_max(0.0 if torch.isfinite(token_sum).item() else 1.0) > 0:
+                _stop_on_nonfinite(engine, run, step, mb, token_sum)
             # DeepSpeed divides by grad_accum and averages over ranks; undo both so the step's gradient is
             # sum(token losses of the whole global batch) / (its number of target tokens).
             engine.backward(token_sum * (world * t.grad_accum / max(n_targets, 1.0)))
@@ -218,6 +241,34 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
     dist.barrier()
     _release(engine, keepalive)
     return records
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on; the message says where it stopped, what was saved and what to do."""
+
+
+def _stop_on_nonfinite(engine, run: Run, step: int, mb, token_sum) -> None:
+    """A NaN/inf loss on any rank: save the state at the start of this step (weights have not been updated by it)
+    and stop, naming the step and the samples of every rank that saw a non-finite loss. All ranks call this."""
+    import torch
+
+    from finetune import dist
+
+    t = run.recipe.train
+    bad = [] if torch.isfinite(token_sum).item() else mb["sample_ids"].tolist()
+    width = int(dist.all_reduce_max(float(len(bad))))
+    padded = torch.full((dist.world_size(), max(width, 1)), -1, dtype=torch.long)
+    padded[dist.rank(), :len(bad)] = torch.tensor(bad, dtype=torch.long)
+    everyone = dist.all_reduce_sum(padded.double() + 1).long() - 1  # each rank's row, the others' zeros
+    path = checkpoint.save(engine, t.output_dir, step, t.keep_last,
+                           {"recipe": recipe_to_dict(run.recipe), "ds_config": run.ds, "note": "state before a non-finite loss"})
+    per_rank = {r: [i for i in everyone[r].tolist() if i >= 0] for r in range(dist.world_size())}
+    samples = "; ".join(f"rank {r}: {ids}" for r, ids in per_rank.items() if ids)
+    raise TrainingError(
+        f"non-finite loss at step {step + 1}: samples (indices into the tokenized training data, "
+        f"see `zerotune preprocess --show`) {samples}. The state before this step is saved in {path}. Lower optim.lr "
+        f"or fix those samples, then continue with train.resume=auto"
+    )
 
 
 def _resume_step(run: Run) -> int:
@@ -278,5 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"zerotune: error: {e}", file=sys.stderr)
         return 2
-    train(run)
+    try:
+        train(run)
+    except TrainingError as e:
+        print(f"zerotune: error: {e}", file=sys.stderr)
+        return 3
     return 0

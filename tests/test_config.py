@@ -130,7 +130,7 @@ def test_non_empty_output_dir_is_refused_unless_overwrite(tmp_path):
     out.mkdir()
     (out / "metrics.jsonl").write_text("{}\n")
     args = (TINY_RECIPE, os.path.join(ROOT, "ds_configs", "zero2.json"))
-    with pytest.raises(ConfigError, match="is not empty: choose a new one, or pass train.overwrite=true"):
+    with pytest.raises(ConfigError, match="is not empty: choose a new one, pass train.resume=auto to continue it, or train.overwrite=true"):
         prepare(*args, [f"train.output_dir={out}"])
     assert (out / "metrics.jsonl").read_text() == "{}\n"
     prepare(*args, [f"train.output_dir={out}", "train.overwrite=true"])

@@ -48,6 +48,8 @@ class DataReport:
     """True if this rank tokenized at least one source (False: every source came from the cache)."""
     tokenize_seconds: float = 0.0
     """Time this rank spent tokenizing and writing the cache."""
+    tokenized_tokens: int = 0
+    """Tokens this rank tokenized into the cache (before eval hold-out and mixing weights)."""
     sources: list[dict[str, Any]] = field(default_factory=list)
     """Per source: path, format, weight, samples (after drops and eval hold-out) and used (after weighting)."""
     notes: list[str] = field(default_factory=list)
@@ -197,11 +199,12 @@ def _check_picklable(encoder: _ChunkEncoder, name: str) -> None:
 
 def _code_fingerprint(format_name: str) -> str:
     """Hash of the code that turns records into tokens, so editing a plugin or the template rebuilds the cache."""
-    from finetune.data import template
-    from finetune.data.registry import get_format
+    from finetune.data import registry, template
 
     h = hashlib.sha256()
-    for module_file in sorted({inspect.getsourcefile(get_format(format_name)), inspect.getsourcefile(template)}):
+    modules = {inspect.getsourcefile(registry.get_format(format_name)), inspect.getsourcefile(template),
+               inspect.getsourcefile(registry)}  # registry holds Encoder.text and the field checks
+    for module_file in sorted(modules):
         with open(module_file, "rb") as f:
             h.update(f.read())
     return h.hexdigest()
@@ -260,6 +263,7 @@ def load_or_tokenize(path: str, cfg: DataConfig, tokenizer, cache_dir: str, repo
                                **{k: getattr(local, k) for k in _COUNTS[1:]}})
             report.built_cache = True
             report.tokenize_seconds += time.perf_counter() - start
+            report.tokenized_tokens += int(data.offsets[-1])
         ok = True
     finally:
         # Every rank joins this, also when the build raised: the waiting ranks then stop with an error

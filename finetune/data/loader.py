@@ -113,7 +113,7 @@ def collate(rows: list[list[int] | None], data: TokenizedData, pad_id: int) -> d
     position_ids restarting at 0 is what tells transformers to isolate each sample's attention (a block-diagonal
     causal mask with sdpa/eager, variable-length kernels with flash attention), so no attention_mask is passed.
     """
-    ids_rows, pos_rows, tgt_rows, lengths = [], [], [], []
+    ids_rows, pos_rows, tgt_rows, lengths, sample_ids = [], [], [], [], []
     for row in rows:
         ids, pos, tgt = [], [], []
         for i in row or []:
@@ -122,6 +122,7 @@ def collate(rows: list[list[int] | None], data: TokenizedData, pad_id: int) -> d
             pos.append(np.arange(len(s_ids)))
             tgt.append(np.append(s_labels[1:], IGNORE))
             lengths.append(len(s_ids))
+            sample_ids.append(i)
         if not ids:  # an empty row: one pad token that trains nothing
             ids, pos, tgt = [np.array([pad_id])], [np.array([0])], [np.array([IGNORE])]
         ids_rows.append(np.concatenate(ids))
@@ -140,4 +141,5 @@ def collate(rows: list[list[int] | None], data: TokenizedData, pad_id: int) -> d
         batch["position_ids"][b, n:] = torch.arange(width - n)  # padding is a sequence of its own
         batch["targets"][b, :n] = torch.from_numpy(tgt.astype(np.int64))
     batch["sample_lengths"] = torch.tensor(lengths, dtype=torch.long)
+    batch["sample_ids"] = torch.tensor(sample_ids, dtype=torch.long)  # indices into the tokenized data, for errors
     return batch
