@@ -78,3 +78,21 @@ def run_ranks(world: int, script: str, args: list[str], timeout: int = 600, env:
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
+
+
+def driver_main(one_case) -> None:
+    """The body of a multi-case driver script: `script OUT.json CASES.json` runs `one_case(case)` for every case in
+    one process group (one start of Python, torch and DeepSpeed for many trainings) and rank 0 writes the results."""
+    import deepspeed.comm.torch
+
+    from finetune import dist
+
+    # The shm op is only a faster CPU all-reduce; skipping its JIT build leaves every loss identical (FACTS.md).
+    deepspeed.comm.torch.build_shm_op = lambda: None
+    out, cases_file = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    with open(cases_file) as f:
+        cases = json.load(f)
+    results = {case["name"]: one_case(case) for case in cases}
+    if dist.is_main():
+        with open(out, "w") as f:
+            json.dump(results, f)

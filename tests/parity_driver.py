@@ -6,21 +6,15 @@ Starting Python, torch and DeepSpeed once per world size instead of once per con
 oracle matrix (4 stages x LoRA/full x fp32/bf16 x 1/2 ranks) within CI's time.
 """
 
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# The shm op is only a faster CPU all-reduce; skipping its JIT build leaves every loss identical (FACTS.md).
-import deepspeed.comm.torch  # noqa: E402
-
-deepspeed.comm.torch.build_shm_op = lambda: None
-
 import torch  # noqa: E402
 
-from finetune import dist  # noqa: E402
 from finetune.train import prepare, train  # noqa: E402
+from tests.helpers import driver_main  # noqa: E402
 
 
 def lora_check(model_dir: str, result: dict):
@@ -48,25 +42,17 @@ def lora_check(model_dir: str, result: dict):
     return check
 
 
-def main(out: str, cases_file: str) -> None:
-    with open(cases_file) as f:
-        cases = json.load(f)
-    results = {}
-    for case in cases:
-        run = prepare(case["config"], case["deepspeed"], case["overrides"])
-        result = {}
-        on_end = lora_check(run.recipe.model.path, result) if run.recipe.lora.enabled else None
-        records = train(run, on_end=on_end)
-        steps = [r for r in records if "loss" in r]
-        result.update(loss=[r["loss"] for r in steps], target_tokens=[r["target_tokens"] for r in steps],
-                      grad_norm=[r["grad_norm"] for r in steps],
-                      eval_loss=[r["eval_loss"] for r in records if "eval_loss" in r])
-        results[case["name"]] = result
-    if dist.is_main():
-        with open(out, "w") as f:
-            json.dump(results, f)
+def one_case(case: dict) -> dict:
+    run = prepare(case["config"], case["deepspeed"], case["overrides"])
+    result = {}
+    on_end = lora_check(run.recipe.model.path, result) if run.recipe.lora.enabled else None
+    records = train(run, on_end=on_end)
+    steps = [r for r in records if "loss" in r]
+    result.update(loss=[r["loss"] for r in steps], target_tokens=[r["target_tokens"] for r in steps],
+                  grad_norm=[r["grad_norm"] for r in steps],
+                  eval_loss=[r["eval_loss"] for r in records if "eval_loss" in r])
+    return result
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
-    main(args[0], args[1])
+    driver_main(one_case)

@@ -6,21 +6,16 @@ Each case is {"name", "deepspeed", "overrides", "kind"}: kind "straight" also re
 prompt (and writes a merged export for LoRA) after its last step; "stop" and "resume" are the two halves.
 """
 
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import deepspeed.comm.torch  # noqa: E402
-
-deepspeed.comm.torch.build_shm_op = lambda: None  # a faster CPU all-reduce only; losses are identical without it
-
 import torch  # noqa: E402
 
 from finetune import dist  # noqa: E402
 from finetune.export import export_engine  # noqa: E402
 from finetune.train import prepare, train  # noqa: E402
-from tests.helpers import TINY_RECIPE  # noqa: E402
+from tests.helpers import TINY_RECIPE, driver_main  # noqa: E402
 
 PROMPT_IDS = [1, 733, 16289, 28793, 1824, 1235, 4891, 1594, 5430, 28705, 28770, 13916, 28804, 733, 28748, 16289, 28793]
 
@@ -39,20 +34,11 @@ def record_logits(out_dir: str, lora: bool):
     return on_end
 
 
-def main(out: str, cases_file: str) -> None:
-    with open(cases_file) as f:
-        cases = json.load(f)
-    results = {}
-    for case in cases:
-        run = prepare(TINY_RECIPE, case["deepspeed"], case["overrides"])
-        on_end = record_logits(run.recipe.train.output_dir, run.recipe.lora.enabled) if case["kind"] == "straight" else None
-        records = train(run, on_end=on_end)
-        results[case["name"]] = [r["loss"] for r in records if "loss" in r]
-    if dist.is_main():
-        with open(out, "w") as f:
-            json.dump(results, f)
+def one_case(case: dict) -> list[float]:
+    run = prepare(TINY_RECIPE, case["deepspeed"], case["overrides"])
+    on_end = record_logits(run.recipe.train.output_dir, run.recipe.lora.enabled) if case["kind"] == "straight" else None
+    return [r["loss"] for r in train(run, on_end=on_end) if "loss" in r]
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
-    main(args[0], args[1])
+    driver_main(one_case)
