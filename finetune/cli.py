@@ -16,6 +16,8 @@ commands:
   preprocess  tokenize a recipe's data into the cache and report samples, tokens, drops and pack fill
   compare     run one recipe under several ZeRO stages; write a summary table and plots
   estimate    per-GPU memory of every ZeRO stage for a recipe, and the fastest that fits
+  plot        loss, eval loss, learning rate, tokens/s and memory over steps of one or more runs, as a PNG
+  chat        talk with a trained model (run folder, export or LoRA adapter), or answer one --prompt
 
 `zerotune <command> --help` describes each command."""
 
@@ -38,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
         from finetune.compare import main as run
     elif command == "estimate":
         from finetune.estimate import main as run
+    elif command == "plot":
+        from finetune.curves import main as run
+    elif command == "chat":
+        from finetune.chat import main as run
     else:
         print(f"zerotune: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

@@ -210,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this machine: keep gloo's traffic on loopback
+    if not _has_cuda():
+        # CPU ranks each start one thread per core by default; oversubscribed, they measure contention, not the stage.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // gpus)))
 
     runs = []
     for name in names:

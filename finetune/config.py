@@ -122,6 +122,10 @@ class TrainConfig:
     sample_prompt: str | None = None
     """After training, greedily answer this prompt with the trained model and print it."""
     sample_max_new_tokens: int = 64
+    log_to: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)
+    """Extra metric back-ends fed the same records as metrics.jsonl (rank 0): `tensorboard` (<output_dir>/tensorboard), `wandb`."""
+    wandb_project: str = "zerotune"
+    """W&B project of the run when `wandb` is in log_to (WANDB_MODE=offline writes it locally, no network)."""
 
 
 @dataclass

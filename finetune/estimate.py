@@ -19,9 +19,12 @@ import sys
 from typing import Any
 
 GIB = 2**30
-# Fastest first, as in the DeepSpeed and HF guides: ZeRO-0..2 move as much data as plain data parallelism, ZeRO-3
-# adds an all-gather of the weights in forward and backward, offloading adds PCIe traffic and a CPU optimizer step.
-SPEED_ORDER = [(0, False, False), (1, False, False), (2, False, False), (2, True, False), (3, False, False), (3, True, True)]
+CONFIGS = [(0, False, False), (1, False, False), (2, False, False), (2, True, False), (3, False, False), (3, True, True)]
+# Fastest first, for zerotune's shipped JSONs. ZeRO-2 reduces bf16 gradients in buckets overlapped with backward;
+# ZeRO-1 reduces the same bytes after backward; zerotune's ZeRO-0 all-reduces fp32 gradients (autocast keeps fp32
+# weights), twice the bytes. ZeRO-3 adds weight all-gathers (~6% slower than ZeRO-2 for full 7B on 2xH200,
+# shared/FACTS.md); offloading runs Adam on the CPU over the whole partition every step, seconds for a 7B model.
+SPEED_ORDER = [(2, False, False), (1, False, False), (0, False, False), (3, False, False), (2, True, False), (3, True, True)]
 FIT_FRACTION = 0.9  # the rest of the GPU goes to the CUDA context, NCCL buffers and allocator fragmentation
 
 
@@ -85,12 +88,13 @@ def _ceil_div(a: int, b: int) -> int:
 
 def estimate_model_states(config_dict: dict[str, Any], lora_cfg: Any, stage: int, world: int,
                           offload_optimizer: bool = False, offload_params: bool = False,
-                          dtype_bytes: int = 2) -> dict[str, int]:
+                          dtype_bytes: int = 2, adapter_dtype_bytes: int | None = None) -> dict[str, int]:
     """Bytes per rank of weights, gradients and optimizer states on the GPU, and what offloading puts in CPU memory.
 
     dtype_bytes is the weights' width: 2 for bf16; 4 for fp32 (zerotune's ZeRO-0, whose bf16 is torch autocast).
-    A separate fp32 master exists when weights are 16-bit, and always under ZeRO-1/2/3 (DeepSpeed keeps an fp32
-    partition of its own even for fp32 weights).
+    adapter_dtype_bytes is the LoRA adapters' width when it differs (fp32 under ZeRO-3, see adapter_bytes).
+    Under ZeRO-1/2/3 DeepSpeed keeps a separate fp32 master partition even for fp32 weights (measured); plain data
+    parallelism (ZeRO-0) steps fp32 weights in place.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -99,13 +103,15 @@ def estimate_model_states(config_dict: dict[str, Any], lora_cfg: Any, stage: int
     if offload_params and (stage != 3 or not offload_optimizer):
         raise ValueError("parameter offload needs ZeRO-3 with optimizer offload")
     total = count_parameters(config_dict)
-    trained = lora_parameters(config_dict, lora_cfg) or total
-    frozen = total - trained if _lora(lora_cfg) is None else total  # LoRA adds adapters on top of the frozen base
+    lora = _lora(lora_cfg) is not None
+    trained = lora_parameters(config_dict, lora_cfg) if lora else total
+    frozen = total if lora else 0  # LoRA adds adapters on top of the frozen base
+    trained_bytes = (adapter_dtype_bytes or dtype_bytes) if lora else dtype_bytes
     n = max(1, world)
-    weights = dtype_bytes * (trained + frozen)
+    weights = dtype_bytes * frozen + trained_bytes * trained
     params = _ceil_div(weights, n) if stage == 3 else weights
-    grads = _ceil_div(dtype_bytes * trained, n) if stage >= 2 else dtype_bytes * trained
-    master = 4 * trained if (stage > 0 or dtype_bytes < 4) else 0
+    grads = _ceil_div(trained_bytes * trained, n) if stage >= 2 else trained_bytes * trained
+    master = 4 * trained if (stage >= 1 or trained_bytes < 4) else 0
     optimizer = master + 8 * trained  # + Adam's exp_avg and exp_avg_sq, fp32
     optimizer = _ceil_div(optimizer, n) if stage >= 1 else optimizer
     cpu = 0
@@ -122,7 +128,7 @@ def estimate_model_states(config_dict: dict[str, Any], lora_cfg: Any, stage: int
 
 
 def _layer_bytes(cfg: dict[str, Any], lora: dict[str, Any] | None, seq_len: int, d: int, attn: str, packing: bool,
-                 mask_bytes: int, first: bool = False) -> float:
+                 mask_bytes: int, ad: int, first: bool = False) -> float:
     """Bytes autograd saves per token in one decoder layer (transformers' Mistral, traced with saved-tensor hooks)."""
     h, i, q, kv, _, _ = _dims(cfg)
     heads = cfg["num_attention_heads"]
@@ -151,12 +157,14 @@ def _layer_bytes(cfg: dict[str, Any], lora: dict[str, Any] | None, seq_len: int,
         if t == "lm_head":
             continue
         width = shapes[t][0]
-        adapters += d * lora["rank"]  # lora_A's output, saved by lora_B
+        adapters += ad * lora["rank"]  # lora_A's output, saved by lora_B
         if lora["dropout"] > 0:
             # each adapter drops its own copy of the input: lora_A keeps it, dropout keeps the mask (none is needed
             # in the first layer, where nothing upstream is trained)
             no_mask = first and shared[t] == "attn_in"
-            adapters += d * width + (0 if no_mask else mask_bytes * width)
+            adapters += ad * width + (0 if no_mask else mask_bytes * width)
+        elif ad != d:  # peft casts the input to the adapters' dtype, a copy per adapter
+            adapters += ad * width
         elif shared[t] not in inputs_saved and shared[t] != "attn_out":  # attn_out is attention's saved output
             inputs_saved.add(shared[t])
             adapters += d * width
@@ -166,13 +174,15 @@ def _layer_bytes(cfg: dict[str, Any], lora: dict[str, Any] | None, seq_len: int,
 
 def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: int, micro_batch: int,
                          checkpointing: str = "full", dtype_bytes: int = 2, attn_implementation: str = "sdpa",
-                         packing: bool = True, dropout_mask_bytes: int = 1) -> dict[str, float]:
+                         packing: bool = True, dropout_mask_bytes: int = 1,
+                         adapter_dtype_bytes: int | None = None) -> dict[str, float]:
     """Activation bytes of one micro-batch (rows of seq_len tokens) per GPU, at the peak of backward.
 
     checkpointing: none keeps every layer's activations; full keeps each layer's input and recomputes one layer at a
     time in backward; selective (zerotune's) recomputes every second layer. The loss adds the 16-bit logits kept by the
     training loop, their fp32 copy and the fp32 log-softmax (10 bytes per vocabulary entry per token in bf16).
     dropout_mask_bytes: CUDA's dropout keeps a bool mask; the CPU kernel keeps one in the input's dtype.
+    adapter_dtype_bytes: the LoRA adapters' width when it differs from the activations' (fp32 under ZeRO-3).
     """
     if checkpointing not in ("none", "selective", "full"):
         raise ValueError(f"checkpointing must be none, selective or full, got {checkpointing!r}")
@@ -180,10 +190,9 @@ def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: in
     h, _, q, _, layers, vocab = _dims(config_dict)
     tokens = seq_len * micro_batch
     d = dtype_bytes
-    per_layer = _layer_bytes(config_dict, lora, seq_len, d, attn_implementation, packing, dropout_mask_bytes)
-    first = per_layer
-    if lora is not None:
-        first = _layer_bytes(config_dict, lora, seq_len, d, attn_implementation, packing, dropout_mask_bytes, first=True)
+    layer_args = (config_dict, lora, seq_len, d, attn_implementation, packing, dropout_mask_bytes, adapter_dtype_bytes or d)
+    per_layer = _layer_bytes(*layer_args)
+    first = _layer_bytes(*layer_args, first=True) if lora is not None else per_layer
     kept = {"none": layers, "selective": layers // 2, "full": 0}[checkpointing]  # layers 1, 3, 5... are not recomputed
     recomputed = layers - kept
     if lora is not None and checkpointing == "none":
@@ -217,7 +226,8 @@ def estimate_buffers(config_dict: dict[str, Any], ds: dict[str, Any], stage: int
         return 0
     bucket = zero.get("reduce_bucket_size", 5e8)
     bucket = h * h if bucket == "auto" else int(bucket)
-    buffers = bucket * dtype_bytes * (2 if zero.get("overlap_comm") else 1)
+    overlap = zero.get("overlap_comm", stage == 3)  # DeepSpeed's default: on for ZeRO-3 only; it doubles the bucket
+    buffers = bucket * dtype_bytes * (2 if overlap else 1)
     if stage == 3:
         shapes = linear_shapes(config_dict)
         layer = sum(a * b for n, (a, b) in shapes.items() if n != "lm_head")
@@ -225,47 +235,63 @@ def estimate_buffers(config_dict: dict[str, Any], ds: dict[str, Any], stage: int
     return buffers
 
 
-def precision_bytes(ds: dict[str, Any], stage: int) -> tuple[int, int]:
-    """(weight bytes, activation bytes) under a DeepSpeed JSON: bf16 weights, except zerotune's ZeRO-0 whose bf16 is
-    torch autocast over fp32 weights (DeepSpeed's bf16 at stage 0 accumulates gradients in bf16, which zerotune refuses)."""
+def precision_bytes(ds: dict[str, Any], stage: int) -> tuple[int, int, int]:
+    """(weight, activation, LoRA adapter) bytes under a DeepSpeed JSON.
+
+    bf16 weights, except zerotune's ZeRO-0 whose bf16 is torch autocast over fp32 weights (DeepSpeed's bf16 at stage 0
+    accumulates gradients in bf16, which zerotune refuses). Adapters stay fp32 under ZeRO-3 (measured): peft creates
+    them in fp32, and DeepSpeed casts no parameter of a model built under zero.Init.
+    """
     bf16 = ds.get("bf16", {}).get("enabled") is True or ds.get("torch_autocast", {}).get("enabled") is True
     if not bf16:
-        return 4, 4
-    return (4, 2) if stage == 0 else (2, 2)
+        return 4, 4, 4
+    return (4, 2, 4) if stage == 0 else (2, 2, 4 if stage == 3 else 2)
 
 
-def estimate_run(model_config: dict[str, Any], recipe, ds: dict[str, Any], world: int,
-                 stage: int | None = None, offload_optimizer: bool | None = None,
-                 offload_params: bool | None = None) -> dict[str, Any]:
-    """Every term for one configuration (the stage and offloads of `ds` unless given), bytes per GPU (cpu: per rank)."""
+def estimate_run(model_config: dict[str, Any], recipe, ds: dict[str, Any], world: int) -> dict[str, Any]:
+    """Every term for one resolved DeepSpeed config, in bytes per GPU (cpu: per rank)."""
     zero = ds.get("zero_optimization", {})
-    stage = int(zero.get("stage", 0)) if stage is None else stage
-    if offload_optimizer is None:
-        offload_optimizer = zero.get("offload_optimizer", {}).get("device", "none") in ("cpu", "nvme")
-    if offload_params is None:
-        offload_params = zero.get("offload_param", {}).get("device", "none") in ("cpu", "nvme")
-    weight_bytes, act_bytes = precision_bytes(ds, stage)
+    stage = int(zero.get("stage", 0))
+    offload_optimizer = zero.get("offload_optimizer", {}).get("device", "none") in ("cpu", "nvme")
+    offload_params = zero.get("offload_param", {}).get("device", "none") in ("cpu", "nvme")
+    weight_bytes, act_bytes, adapter_bytes = precision_bytes(ds, stage)
     lora = recipe.lora if recipe.lora.enabled else None
-    states = estimate_model_states(model_config, lora, stage, world, offload_optimizer, offload_params, weight_bytes)
+    states = estimate_model_states(model_config, lora, stage, world, offload_optimizer, offload_params, weight_bytes,
+                                   adapter_bytes)
     acts = estimate_activations(model_config, lora, recipe.data.max_seq_len, recipe.train.micro_batch_size,
                                 recipe.model.activation_checkpointing, act_bytes, recipe.model.attn_implementation,
-                                recipe.data.packing)
+                                recipe.data.packing, adapter_dtype_bytes=adapter_bytes)
     buffers = estimate_buffers(model_config, ds, stage, weight_bytes)
-    name = f"ZeRO-{stage}" + (" + offload" if offload_optimizer else "")
-    file = f"zero{stage}" + ("_offload" if offload_optimizer else "") + ".json"
-    return {"config": name, "ds_config": file, "stage": stage, "offload_optimizer": offload_optimizer,
-            "offload_params": offload_params, "params": states["params"], "grads": states["grads"],
-            "optimizer": states["optimizer"], "activations": acts["total"], "buffers": buffers,
-            "total": states["total"] + acts["total"] + buffers, "cpu": states["cpu"],
-            "parameters": states["parameters"], "trained_parameters": states["trained_parameters"]}
+    return {"config": f"ZeRO-{stage}" + (" + offload" if offload_optimizer else ""), "stage": stage,
+            "offload_optimizer": offload_optimizer, "offload_params": offload_params,
+            "params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
+            "activations": acts["total"], "buffers": buffers, "total": states["total"] + acts["total"] + buffers,
+            "cpu": states["cpu"], "parameters": states["parameters"], "trained_parameters": states["trained_parameters"]}
 
 
-def estimate_table(model_config: dict[str, Any], recipe, ds: dict[str, Any], gpus: int, nodes: int,
+def config_files(deepspeed: str) -> list[str]:
+    """The six shipped configurations (zero0..3, zero2/3_offload) from the folder of `deepspeed`, else ds_configs/,
+    plus `deepspeed` itself when it is none of them."""
+    shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ds_configs")
+    files = []
+    for stage, offload, _ in CONFIGS:
+        name = f"zero{stage}{'_offload' if offload else ''}.json"
+        local = os.path.join(os.path.dirname(deepspeed), name)
+        files.append(local if os.path.isfile(local) else os.path.join(shipped, name))
+    same = [f for f in files if os.path.abspath(f) == os.path.abspath(deepspeed)]
+    return files if same else files + [deepspeed]
+
+
+def estimate_table(model_config: dict[str, Any], recipe, configs: dict[str, dict[str, Any]], gpus: int, nodes: int,
                    gpu_memory: float, cpu_memory: float | None) -> list[dict[str, Any]]:
-    """One row per configuration, fastest first, with whether it fits `gpu_memory` bytes (and `cpu_memory` per node)."""
+    """One row per resolved DeepSpeed config ({path: config}), with whether it fits `gpu_memory` bytes per GPU and
+    `cpu_memory` bytes per node."""
     rows = []
-    for stage, off_opt, off_par in SPEED_ORDER:
-        row = estimate_run(model_config, recipe, ds, gpus * nodes, stage, off_opt, off_par)
+    shipped = {f"zero{stage}{'_offload' if offload else ''}.json" for stage, offload, _ in CONFIGS}
+    for path, ds in configs.items():
+        row = dict(estimate_run(model_config, recipe, ds, gpus * nodes), ds_config=_display(path))
+        if os.path.basename(path) not in shipped:
+            row["config"] += f" ({os.path.basename(path)})"
         row["cpu_per_node"] = row["cpu"] * gpus
         row["fits"] = row["total"] <= FIT_FRACTION * gpu_memory and (cpu_memory is None or row["cpu_per_node"] <= cpu_memory)
         rows.append(row)
@@ -273,10 +299,11 @@ def estimate_table(model_config: dict[str, Any], recipe, ds: dict[str, Any], gpu
 
 
 def recommend(rows: list[dict[str, Any]]) -> str:
-    """The fastest configuration that fits, or what to change when none does."""
-    for row in rows:
+    """The fastest configuration that fits (SPEED_ORDER), or what to change when none does."""
+    rank = {config: k for k, config in enumerate(SPEED_ORDER)}
+    for row in sorted(rows, key=lambda r: rank.get((r["stage"], r["offload_optimizer"], r["offload_params"]), len(rank))):
         if row["fits"]:
-            return (f"recommendation: {row['config']} (--deepspeed ds_configs/{row['ds_config']}), the fastest that fits: "
+            return (f"recommendation: {row['config']} (--deepspeed {row['ds_config']}), the fastest that fits: "
                     f"{row['total'] / GIB:.1f} GiB per GPU")
     smallest = min(rows, key=lambda r: r["total"])
     return (f"recommendation: nothing fits; the smallest is {smallest['config']} at {smallest['total'] / GIB:.1f} GiB per GPU. "
@@ -285,15 +312,21 @@ def recommend(rows: list[dict[str, Any]]) -> str:
 
 
 def format_table(rows: list[dict[str, Any]], chosen: str | None = None) -> str:
-    """Markdown table in GiB; `chosen` (a config name) is marked with *."""
+    """Markdown table in GiB; the row of the `chosen` DeepSpeed file is marked with *."""
     cols = ["params", "grads", "optimizer", "activations", "buffers", "total"]
     lines = ["| config | weights | grads | optimizer | activations | buffers | total / GPU | CPU / node | fits |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        name = r["config"] + (" *" if r["config"] == chosen else "")
+        name = r["config"] + (" *" if chosen and _display(chosen) == r["ds_config"] else "")
         cells = " | ".join(f"{r[c] / GIB:.1f}" for c in cols)
         lines.append(f"| {name} | {cells} | {r['cpu_per_node'] / GIB:.1f} | {'yes' if r['fits'] else 'no'} |")
     return "\n".join(lines)
+
+
+def _display(path: str) -> str:
+    """A path relative to the working directory when it lies below it."""
+    rel = os.path.relpath(os.path.abspath(path))
+    return os.path.abspath(path) if rel.startswith("..") else rel
 
 
 def _local_gpu_memory() -> float | None:
@@ -340,10 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe = load_recipe(args.config, args.overrides)
         model_config = check_model_dir(recipe.model)
-        ds = resolve_ds_config(args.deepspeed, recipe, gpus * args.nodes, model_config["hidden_size"],
-                               recipe_path=args.config or "recipes/mistral7b_lora.yaml")
-        rows = estimate_table(model_config, recipe, ds, gpus, args.nodes, gpu_memory, cpu_memory)
-        chosen = estimate_run(model_config, recipe, ds, gpus * args.nodes)["config"]
+        configs = {path: resolve_ds_config(path, recipe, gpus * args.nodes, model_config["hidden_size"],
+                                           recipe_path=args.config or "recipes/mistral7b_lora.yaml")
+                   for path in config_files(args.deepspeed)}
+        rows = estimate_table(model_config, recipe, configs, gpus, args.nodes, gpu_memory, cpu_memory)
     except (ConfigError, ValueError) as e:
         print(f"zerotune estimate: error: {e}", file=sys.stderr)
         return 2
@@ -357,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{r.model.activation_checkpointing}, {r.model.attn_implementation}; {gpus} GPU(s) x {args.nodes} node(s)")
     print(f"GPU memory {gpu_memory / GIB:.1f} GiB: a configuration fits when its estimate is <= {FIT_FRACTION:.0%} of it; "
           f"GiB per GPU, * = {args.deepspeed}\n")
-    print(format_table(rows, chosen))
+    print(format_table(rows, args.deepspeed))
     print("\n" + recommend(rows))
     return 0
 

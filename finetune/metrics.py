@@ -72,11 +72,19 @@ def _duration(seconds: float) -> str:
 
 
 class MetricsLog:
-    """metrics.jsonl in the run folder (rank 0) plus a one-line progress report with tokens/s and ETA."""
+    """metrics.jsonl in the run folder (rank 0), the same records to the `log_to` back-ends (TensorBoard, W&B; see
+    finetune/loggers.py), plus a one-line progress report with tokens/s and ETA. Call close() at the end."""
 
-    def __init__(self, output_dir: str | None, max_steps: int, enabled: bool, start_step: int = 0):
+    def __init__(self, output_dir: str | None, max_steps: int, enabled: bool, start_step: int = 0,
+                 log_to: list[str] | None = None, run_config: dict[str, Any] | None = None,
+                 wandb_project: str = "zerotune"):
         self.enabled, self.max_steps, self.start_step = enabled, max_steps, start_step
         self.path = os.path.join(output_dir, "metrics.jsonl") if output_dir else None
+        self.backends = []
+        if enabled and log_to and output_dir:
+            from finetune.loggers import build_backends  # only a run that asks for a back-end imports its package
+
+            self.backends = build_backends(log_to, output_dir, run_config, start_step, wandb_project)
         self.t0 = time.perf_counter()
 
     def write(self, record: dict[str, Any]) -> None:
@@ -84,6 +92,14 @@ class MetricsLog:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        for backend in self.backends:
+            backend.log(record)
+
+    def close(self) -> None:
+        """Flush and close the back-ends (TensorBoard buffers events; W&B finishes its run)."""
+        for backend in self.backends:
+            backend.close()
+        self.backends = []
 
     def progress(self, record: dict[str, Any]) -> None:
         if not self.enabled:

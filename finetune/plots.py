@@ -61,6 +61,7 @@ def plot_losses(runs: list[dict[str, Any]], path: str) -> list[str]:
     for k, r in enumerate(ok):
         # Dashes of different lengths keep identical curves (the expected case) distinguishable.
         ax.plot(r["steps"], r["losses"], label=r["name"], linestyle=(0, (6 - k % 4, 1 + k % 4)), marker=".")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title("loss per ZeRO stage")

@@ -10,10 +10,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# The shm op is only a faster CPU all-reduce; skipping its JIT build changes no result (FACTS.md).
-import deepspeed.comm.torch  # noqa: E402
+from tests.helpers import skip_shm_build  # noqa: E402
 
-deepspeed.comm.torch.build_shm_op = lambda: None
+skip_shm_build()
 
 from finetune import dist  # noqa: E402
 from finetune.config import ConfigError, DataConfig  # noqa: E402

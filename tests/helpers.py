@@ -80,15 +80,21 @@ def run_ranks(world: int, script: str, args: list[str], timeout: int = 600, env:
     return proc
 
 
+def skip_shm_build() -> None:
+    """Call before init_distributed in rank scripts: DeepSpeed's shm op is only a faster CPU all-reduce, and its JIT
+    build costs 30-70 s per launch; losses are identical without it (FACTS.md). `deepspeed.comm.torch` as an
+    attribute is torch itself (deepspeed.comm imports torch), hence import_module."""
+    import importlib
+
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
 def driver_main(one_case) -> None:
     """The body of a multi-case driver script: `script OUT.json CASES.json` runs `one_case(case)` for every case in
     one process group (one start of Python, torch and DeepSpeed for many trainings) and rank 0 writes the results."""
-    import deepspeed.comm.torch
-
     from finetune import dist
 
-    # The shm op is only a faster CPU all-reduce; skipping its JIT build leaves every loss identical (FACTS.md).
-    deepspeed.comm.torch.build_shm_op = lambda: None
+    skip_shm_build()
     out, cases_file = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     with open(cases_file) as f:
         cases = json.load(f)

@@ -8,9 +8,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import deepspeed.comm.torch  # noqa: E402
+from tests.helpers import skip_shm_build  # noqa: E402
 
-deepspeed.comm.torch.build_shm_op = lambda: None  # a faster CPU all-reduce only; not needed here
+skip_shm_build()
 
 from finetune import dist  # noqa: E402
 from finetune.config import load_recipe  # noqa: E402

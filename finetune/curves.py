@@ -1,0 +1,122 @@
+"""`zerotune plot`: loss and eval loss, learning rate, tokens/s and memory over steps, from runs' metrics.jsonl.
+
+    zerotune plot runs/a runs/b --out curves.png
+
+Several runs are overlaid, one colour each, the legend naming their folders. The PNG's `Source` text chunk lists
+the runs and how many points of each series were drawn, so a picture can be traced back to its metrics files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+# (panel title, y label, series drawn in it: (metrics key, line style, legend suffix))
+PANELS = [
+    ("loss", "loss", [("loss", "-", ""), ("eval_loss", "o--", " eval")]),
+    ("learning rate", "lr", [("lr", "-", "")]),
+    ("throughput", "tokens/s (all ranks)", [("tokens_per_s", "-", "")]),
+    ("peak memory", "GiB per rank", [("peak_mem_gib", "-", ""), ("peak_reserved_gib", ":", " reserved")]),
+]
+
+
+class PlotError(ValueError):
+    """A run folder or output the user must fix; the message says how."""
+
+
+def load_run(run_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """{metrics key: [(step, value), ...]} from run_dir/metrics.jsonl; None values (e.g. MFU on CPU) are skipped."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        what = "does not exist" if not os.path.exists(run_dir) else "has no metrics.jsonl"
+        raise PlotError(f"{run_dir!r} {what}: give run folders written by training (train.output_dir)")
+    series: dict[str, list[tuple[int, float]]] = {}
+    with open(path) as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                raise PlotError(f"{path}:{n}: not a JSON line") from None
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    series.setdefault(key, []).append((record["step"], value))
+    if "loss" not in series:
+        raise PlotError(f"{path} has no step records yet: plot it once training has logged a step")
+    return series
+
+
+def labels(run_dirs: list[str]) -> list[str]:
+    """The shortest trailing part of each path that tells the runs apart (runs/a/tiny vs runs/b/tiny -> a/tiny, b/tiny)."""
+    parts = [os.path.normpath(os.path.abspath(d)).split(os.sep) for d in run_dirs]
+    for k in range(1, max(len(p) for p in parts) + 1):
+        names = [os.sep.join(p[-k:]) for p in parts]
+        if len(set(names)) == len(names):
+            return names
+    return list(run_dirs)  # the same folder given twice
+
+
+def build_figure(run_dirs: list[str]):
+    """The 4-panel figure and, per run, its label and the number of points drawn per series."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: training machines have no display
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlotError("zerotune plot needs matplotlib: `pip install matplotlib`") from None
+    runs = [load_run(d) for d in run_dirs]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5))
+    drawn = []
+    for i, (run_dir, label, series) in enumerate(zip(run_dirs, labels(run_dirs), runs)):
+        color = f"C{i % 10}"
+        points = {}
+        for ax, (_, _, keys) in zip(axes.flat, PANELS):
+            for key, style, suffix in keys:
+                if series.get(key):
+                    steps, values = zip(*series[key])
+                    ax.plot(steps, values, style, color=color, label=label + suffix, markersize=4, linewidth=1.2)
+                    points[key] = len(steps)
+        drawn.append({"run_dir": run_dir, "label": label, "points": points})
+    for ax, (title, ylabel, _) in zip(axes.flat, PANELS):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    axes.flat[1].ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    fig.tight_layout()
+    return fig, drawn
+
+
+def plot_runs(run_dirs: list[str], out: str) -> list[dict[str, Any]]:
+    """Write the PNG; returns per run its folder, label and points drawn per series (also in the PNG's Source chunk)."""
+    if not out.lower().endswith(".png"):
+        raise PlotError(f"--out {out!r}: give a .png file name")
+    fig, drawn = build_figure(run_dirs)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=100, metadata={"Title": "zerotune training curves", "Source": json.dumps(drawn)})
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return drawn
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="zerotune plot", description=__doc__.splitlines()[0])
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders (train.output_dir) holding metrics.jsonl")
+    p.add_argument("--out", required=True, metavar="FILE.png", help="PNG file to write")
+    args = p.parse_args(argv)
+    try:
+        drawn = plot_runs(args.run_dirs, args.out)
+    except PlotError as e:
+        print(f"zerotune: error: {e}", file=sys.stderr)
+        return 2
+    steps = ", ".join(f"{d['label']} ({d['points']['loss']} steps, {d['points'].get('eval_loss', 0)} evals)" for d in drawn)
+    print(f"wrote {args.out}: {steps}")
+    return 0

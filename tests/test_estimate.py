@@ -1,0 +1,190 @@
+"""The memory estimator against the ZeRO paper's formulas (Mistral-7B's shape and the tiny model, LoRA and full), against
+the bytes real DeepSpeed engines hold on each of 2 ranks, and its activation count against torch's saved tensors."""
+
+import json
+import os
+
+import pytest
+
+from finetune.config import LoraConfig
+from finetune.estimate import (GIB, count_parameters, estimate_activations, estimate_model_states, lora_parameters,
+                               main, precision_bytes)
+from tests.helpers import ROOT, TINY_CONFIG, ds_variant, run_ranks, save_tiny_model
+
+MISTRAL = json.load(open(os.path.join(ROOT, "recipes", "mistral7b_shape", "config.json")))
+TINY = json.load(open(TINY_CONFIG))
+LORA = LoraConfig(rank=16)  # the default: all seven projections
+COUNTS = {"mistral": (MISTRAL, 7_241_732_096, 41_943_040), "tiny": (TINY, 8_930_432, 149_504)}
+
+
+@pytest.mark.parametrize("model", COUNTS)
+def test_parameter_counts_are_exact(model):
+    cfg, total, adapters = COUNTS[model]
+    assert count_parameters(cfg) == total
+    # rank x (in + out) per projection and layer: q, o (h, h), k, v (h, kv), gate, up, down (h, intermediate)
+    assert lora_parameters(cfg, LORA) == adapters
+    assert lora_parameters(cfg, LoraConfig(rank=8, target_modules=["q_proj", "v_proj"])) == \
+        8 * cfg["num_hidden_layers"] * (2 * cfg["hidden_size"] + cfg["hidden_size"] + cfg["num_key_value_heads"] * cfg["head_dim"])
+    assert lora_parameters(cfg, LoraConfig(enabled=False)) == 0
+
+
+@pytest.mark.parametrize("model", COUNTS)
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_model_states_follow_2_2_12_partitioned_per_stage(model, lora, stage):
+    cfg, total, adapters = COUNTS[model]
+    n = 2
+    trained = adapters if lora else total
+    weights = total + adapters if lora else total  # LoRA: a frozen 16-bit base plus the adapters
+    got = estimate_model_states(cfg, LORA if lora else None, stage, n, dtype_bytes=2)
+    assert got["params"] == 2 * weights / (n if stage == 3 else 1)
+    assert got["grads"] == 2 * trained / (n if stage >= 2 else 1)
+    assert got["optimizer"] == 12 * trained / (n if stage >= 1 else 1)
+    assert got["total"] == got["params"] + got["grads"] + got["optimizer"] and got["cpu"] == 0
+
+
+def test_full_7b_figures_and_offload():
+    n = 7_241_732_096
+    assert estimate_model_states(MISTRAL, None, 0, 8)["total"] == 16 * n  # 2 + 2 + 12 bytes per parameter, 115.9 GB
+    assert estimate_model_states(MISTRAL, None, 3, 8)["total"] == 16 * n / 8
+    off = estimate_model_states(MISTRAL, None, 2, 2, offload_optimizer=True)
+    # the master, m and v (12) and the fp32 gradient partition (4) move to the CPU; bf16 weights stay
+    assert (off["params"], off["grads"], off["optimizer"], off["cpu"]) == (2 * n, 0, 0, 16 * n / 2)
+    off3 = estimate_model_states(MISTRAL, None, 3, 2, offload_optimizer=True, offload_params=True)
+    assert (off3["total"], off3["cpu"]) == (0, 16 * n / 2 + 2 * n / 2)
+    # zerotune's ZeRO-0 is bf16 autocast over fp32 weights: 4 + 4 + 8 (no separate master)
+    assert estimate_model_states(MISTRAL, None, 0, 2, dtype_bytes=4)["optimizer"] == 8 * n
+    with pytest.raises(ValueError, match="needs ZeRO-1, 2 or 3"):
+        estimate_model_states(MISTRAL, None, 0, 2, offload_optimizer=True)
+
+
+CASES = [("zero0", True, False), ("zero1", True, False), ("zero2", True, False), ("zero3", True, False),
+         ("zero0", True, True), ("zero1", True, True), ("zero2", True, True), ("zero3", True, True),
+         ("zero1", False, False), ("zero2", False, False), ("zero3", False, False)]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("probe")
+    model_dir = save_tiny_model(str(tmp / "model"))
+    cases = []
+    for base, bf16, lora in CASES:
+        name = f"{base}-{'bf16' if bf16 else 'fp32'}-{'lora' if lora else 'full'}"
+        # every tensor partitioned under ZeRO-3, norms too (the default threshold would keep them whole)
+        path = ds_variant(base, str(tmp / f"{name}.json"), bf16=bf16,
+                          **({"stage3_param_persistence_threshold": 0} if base == "zero3" else {}))
+        cases.append({"name": name, "deepspeed": path, "lora": lora, "stage": int(base[-1]), "bf16": bf16})
+    json.dump(cases, open(tmp / "cases.json", "w"))
+    run_ranks(2, os.path.join(ROOT, "tests", "estimate_probe.py"), [model_dir, str(tmp / "cases.json"), str(tmp / "out")],
+              timeout=600)
+    return cases, [json.load(open(tmp / f"out.{rank}.json")) for rank in (0, 1)]
+
+
+# Padding: ZeRO-1/2 pad each flat group to a multiple of 2 x world elements, ZeRO-3 each tensor to a multiple of world.
+# The tiny model's sizes are even, so the match is exact; 0.1% allows for the odd alignment element elsewhere.
+REL = 1e-3
+
+
+@pytest.mark.parametrize("index", range(len(CASES)))
+def test_estimate_matches_measured_bytes_per_rank(measured, index):
+    cases, ranks = measured
+    case = cases[index]
+    ds = json.load(open(case["deepspeed"]))
+    weight_bytes, _, adapter_bytes = precision_bytes(ds, case["stage"])
+    est = estimate_model_states(TINY, LORA if case["lora"] else None, case["stage"], 2, dtype_bytes=weight_bytes,
+                                adapter_dtype_bytes=adapter_bytes)
+    for rank, results in enumerate(ranks):
+        got = results[case["name"]]
+        assert got["adam_tensors"] > 0, (case["name"], got)  # Adam's states exist: one step was taken
+        assert got["params"] == pytest.approx(est["params"], rel=REL), (case["name"], rank, got, est)
+        assert got["master"] + got["adam"] == pytest.approx(est["optimizer"], rel=REL), (case["name"], rank, got, est)
+        assert got["adam"] == pytest.approx(8 * est["trained_parameters"] / (2 if case["stage"] else 1), rel=REL)
+
+
+def _saved_bytes(lora: LoraConfig | None, attn: str, packed: bool, fp32_adapters: bool) -> tuple[float, dict]:
+    """Bytes autograd keeps after a bf16 forward + loss of the tiny model (parameters excluded), per token."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(os.path.dirname(TINY_CONFIG))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation=attn)
+    if lora is not None:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+
+        model = get_peft_model(model, PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                     target_modules=lora.target_modules, task_type="CAUSAL_LM"))
+        if not fp32_adapters:  # as ZeRO-0/1/2's bf16 engine casts every parameter; ZeRO-3 leaves peft's fp32 adapters
+            model.to(torch.bfloat16)
+    model.train()
+    rows, seq = 2, 256
+    ids = torch.randint(0, cfg.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(seq).repeat(rows, 1) if not packed else torch.arange(seq // 2).repeat(rows, 2)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(input_ids=ids, position_ids=positions).logits
+        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids.reshape(-1))
+    adapter_bytes = 4 if fp32_adapters else 2  # the CPU's dropout mask has the adapters' input dtype (CUDA's: bool)
+    est = estimate_activations(TINY, lora, seq, rows, "none", 2, attn, packed, dropout_mask_bytes=adapter_bytes,
+                               adapter_dtype_bytes=adapter_bytes)
+    return sum(saved.values()), est
+
+
+@pytest.mark.parametrize("lora,attn,packed,fp32_adapters", [
+    (None, "sdpa", False, False), (None, "sdpa", True, False), (None, "eager", False, False),
+    (LORA, "sdpa", True, False), (LoraConfig(rank=16, dropout=0.0), "sdpa", False, False), (LORA, "eager", False, False),
+    (LORA, "sdpa", True, True), (LoraConfig(rank=16, dropout=0.0), "sdpa", False, True)])
+def test_activation_estimate_matches_saved_tensors(lora, attn, packed, fp32_adapters):
+    measured_bytes, est = _saved_bytes(lora, attn, packed, fp32_adapters)
+    assert est["saved"] == pytest.approx(measured_bytes, rel=1e-3), (measured_bytes, est)
+
+
+def test_checkpointing_keeps_only_layer_inputs_plus_one_layer():
+    none = estimate_activations(MISTRAL, None, 2048, 4, "none")
+    full = estimate_activations(MISTRAL, None, 2048, 4, "full")
+    selective = estimate_activations(MISTRAL, None, 2048, 4, "selective")
+    layer = none["layers"] / 32
+    assert full["layers"] == 32 * 2 * 4096 * 2048 * 4 and full["recompute"] == layer
+    assert selective["layers"] == 16 * layer + 16 * 2 * 4096 * 2048 * 4
+    assert full["logits"] == 10 * 32000 * 2048 * 4  # bf16 logits, their fp32 copy, the fp32 log-softmax
+    assert full["total"] < selective["total"] < none["total"]
+
+
+def _cli(capsys, gpu_gib: str, cpu_gib: str, *extra: str) -> str:
+    args = ["--config", os.path.join(ROOT, "recipes", "mistral7b_full.yaml"), "--deepspeed",
+            os.path.join(ROOT, "ds_configs", "zero3.json"), "--gpus", "2", "--gpu-memory-gib", gpu_gib,
+            "--cpu-memory-gib", cpu_gib, f"model.path={os.path.join(ROOT, 'recipes', 'mistral7b_shape')}", *extra]
+    assert main(args) == 0
+    return capsys.readouterr().out
+
+
+def test_cli_table_and_recommendation(capsys):
+    out = _cli(capsys, "80", "256")
+    assert "7,241,732,096 parameters" in out and "| ZeRO-3 * |" in out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ZeRO")}
+    assert len(rows) == 6
+    assert rows["ZeRO-1"].rstrip().endswith("| no |") and rows["ZeRO-3 *"].rstrip().endswith("| yes |")
+    assert "recommendation: ZeRO-2 (--deepspeed " in out  # 67 GiB: the fastest that fits in 90% of 80 GiB
+    # 60 GiB GPUs: only offloading fits, if the node has the CPU memory for it
+    assert "recommendation: ZeRO-2 + offload" in _cli(capsys, "60", "256")
+    assert "recommendation: nothing fits" in _cli(capsys, "60", "64")
+    zero3 = next(r for r in json.loads(_cli(capsys, "80", "256", "--json")) if r["config"] == "ZeRO-3")
+    assert zero3["params"] == 2 * 7_241_732_096 / 2 and zero3["total"] / GIB < 72
+
+
+def test_cli_needs_gpu_memory_without_a_gpu(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["--config", os.path.join(ROOT, "recipes", "tiny.yaml"), "--gpus", "2"]) == 2
+    assert "--gpu-memory-gib" in capsys.readouterr().err
