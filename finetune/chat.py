@@ -51,8 +51,9 @@ def saved_dtype(folder: str) -> torch.dtype:
     return next((_DTYPES[d] for d in ("F32", "BF16", "F16") if d in dtypes), torch.float32)
 
 
-def _resolve(path: str, workdir: str) -> str:
-    """The HF or adapter folder behind `path` (a run folder's checkpoint is exported into `workdir`)."""
+def _resolve(path: str, workdir: str | None) -> str:
+    """The HF or adapter folder behind `path` (a run folder's checkpoint is exported into `workdir`, or a new
+    temporary folder that the caller owns)."""
     from finetune.checkpoint import MARKER, STEP_DIR, find_latest
 
     if not os.path.isdir(path):
@@ -71,6 +72,7 @@ def _resolve(path: str, workdir: str) -> str:
     print(f"exporting {checkpoint} to a temporary folder", file=sys.stderr)
     # Not merged: a LoRA checkpoint becomes base + adapter, computed as in training, rather than merged weights
     # rounded to bf16 (which change greedy answers).
+    workdir = workdir or tempfile.mkdtemp(prefix="zerotune-chat-")
     return export_checkpoint(checkpoint, os.path.join(workdir, "model"), merge=False)
 
 
@@ -86,11 +88,14 @@ def _tokenizer(*folders: str):
 
 
 def load_chat_model(path: str, base: str | None = None, device: str | None = None, workdir: str | None = None) -> ChatModel:
-    """Load what `path` names, ready for `reply`; a checkpoint is exported into `workdir` (must outlive the call)."""
+    """Load what `path` names, ready for `reply`; a checkpoint is exported into `workdir` (default: a new temporary
+    folder), which must outlive the call."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # a chat prompt, not a loading bar, is what the user should see
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    folder = _resolve(path, workdir or tempfile.mkdtemp(prefix="zerotune-chat-"))
+    folder = _resolve(path, workdir)
     adapter_file = os.path.join(folder, "adapter_config.json")
     if not os.path.isfile(adapter_file):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=saved_dtype(folder))
@@ -99,12 +104,17 @@ def load_chat_model(path: str, base: str | None = None, device: str | None = Non
     else:
         from peft import PeftModel
 
+        from finetune.model import has_weights
+
         with open(adapter_file) as f:
             recorded = json.load(f).get("base_model_name_or_path")
         base = base or recorded
         if not base or not os.path.isfile(os.path.join(base, "config.json")):
             raise ChatError(f"LoRA adapter {folder!r} needs its base model: {base or 'none recorded'!r} is not a model "
                             f"folder here; pass --base PATH_TO_BASE_MODEL")
+        if not has_weights(base):
+            raise ChatError(f"the base model folder {base!r} has no weights (the run started from a random init): "
+                            f"`zerotune export RUN_DIR --out DIR --merge` writes base and adapter as one model to chat with")
         dtype = saved_dtype(folder)  # training ran the base in the adapter's dtype
         model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
         # peft would upcast bf16 adapters to fp32 by default; training computed them in bf16.

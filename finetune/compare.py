@@ -33,7 +33,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "selection, ZeRO-3's first gathers) (default 1)")
     p.add_argument("--gpus", type=int, default=None, help="GPUs (processes on CPU) per run (default: this machine's GPUs, or 1)")
     p.add_argument("--tolerance", type=float, default=None,
-                   help=f"largest allowed |loss - first stage's loss| at any step (default {BF16_TOLERANCE} for bf16 runs, {FP32_TOLERANCE} for fp32)")
+                   help=f"largest allowed |loss - first stage's loss| at any step "
+                        f"(default {BF16_TOLERANCE} for bf16 runs, {FP32_TOLERANCE} for fp32)")
     p.add_argument("--ds-dir", default=os.path.join(ROOT, "ds_configs"), help="folder with zero{0,1,2,3}[_offload].json")
     p.add_argument("--out", required=True, metavar="DIR", help="one run folder per stage, and the summary")
     p.add_argument("--overwrite", action="store_true", help="reuse a non-empty DIR (its run folders are overwritten)")
@@ -148,13 +149,13 @@ def write_summary(out: str, runs: list[dict[str, Any]], meta: dict[str, Any]) ->
     """summary.json (everything) and summary.md (the table and how to read it)."""
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump({**meta, "runs": runs}, f, indent=2)
-    lines = [f"# ZeRO stage comparison: {meta['config']}", "",
-             f"{meta['steps']} steps per stage on {meta['gpus']} GPU(s) (processes on CPU); throughput, MFU and step time "
-             f"average steps {meta['skip_steps'] + 1}-{meta['steps']} (the first {meta['skip_steps']} left out as warm-up); "
-             f"peak memory is the largest over all steps and ranks. Losses are compared step by step with the first stage "
-             f"({runs[0]['name']}); tolerance {meta['tolerance']:g}.", "",
-             "| run | stage | offload | tok/s/GPU | MFU | step time (s) | peak allocated (GiB) | peak reserved (GiB) "
-             "| estimated (GiB) | final loss | max loss diff | flag |",
+    intro = (f"{meta['steps']} steps per stage on {meta['gpus']} GPU(s) (processes on CPU); throughput, MFU and step "
+             f"time average steps {meta['skip_steps'] + 1}-{meta['steps']} (the first {meta['skip_steps']} left out as "
+             f"warm-up); peak memory is the largest over all steps and ranks. Losses are compared step by step with the "
+             f"first stage ({runs[0]['name']}); tolerance {meta['tolerance']:g}.")
+    header = ("| run | stage | offload | tok/s/GPU | MFU | step time (s) | peak allocated (GiB) | peak reserved (GiB) "
+              "| estimated (GiB) | final loss | max loss diff | flag |")
+    lines = [f"# ZeRO stage comparison: {meta['config']}", "", intro, "", header,
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in runs:
         if r.get("error"):
@@ -167,8 +168,9 @@ def write_summary(out: str, runs: list[dict[str, Any]], meta: dict[str, Any]) ->
             f"| {_fmt(r['peak_mem_gib'], '.2f')} | {_fmt(r['peak_reserved_gib'], '.2f')} | {_fmt(r.get('estimated_gib'), '.2f')} "
             f"| {_fmt(r['final_loss'], '.4f')} | {_fmt(r['max_loss_diff'], '.2e')} "
             f"| {'LOSS DIFFERS' if r['flagged'] else 'ok'} |")
-    lines += ["", *meta["notes"], "", "Plots: `throughput_memory.png`, `loss_curves.png` (drawn from the run folders "
-              "listed under `plots` in summary.json)."]
+    plots = ("Plots: `throughput_memory.png`, `loss_curves.png` (drawn from the run folders listed under `plots` in "
+             "summary.json).")
+    lines += ["", *meta["notes"], "", plots]
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -220,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = run_command(name, args, gpus, dist.free_port(), init)
         print(f"compare: {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
         with open(log, "w") as f:
-            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, check=False).returncode
         metrics = os.path.join(run_dir, "metrics.jsonl")
         steps = load_steps(metrics) if os.path.isfile(metrics) else []
         if code != 0 or not steps:
@@ -238,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     compare_losses(runs, tolerance)
     notes = []
     if args.steps <= args.skip_steps:
-        notes.append(f"Only {args.steps} step(s), not more than --skip-steps {args.skip_steps}: throughput averages every step, warm-up included.")
+        notes.append(f"Only {args.steps} step(s), not more than --skip-steps {args.skip_steps}: "
+                     f"throughput averages every step, warm-up included.")
     if not _has_cuda():
         notes.append("On CPU, peak memory is each process's peak resident memory (Python, torch, data included), "
                      "so it is not comparable with the estimate, which counts accelerator memory only; MFU needs a known GPU.")
@@ -247,13 +250,16 @@ def main(argv: list[str] | None = None) -> int:
     plots = {"throughput_memory.png": plot_throughput_memory(runs, os.path.join(args.out, "throughput_memory.png")),
              "loss_curves.png": plot_losses(runs, os.path.join(args.out, "loss_curves.png"))}
     meta = {"config": args.config or "recipes/mistral7b_lora.yaml", "overrides": args.overrides, "steps": args.steps,
-            "skip_steps": min(args.skip_steps, args.steps - 1), "gpus": gpus, "tolerance": tolerance,
-            "init_model": init[0].partition("=")[2] if init else None, "notes": notes, "plots": {k: {"runs": v} for k, v in plots.items()}}
+            "skip_steps": args.skip_steps if args.steps > args.skip_steps else 0, "gpus": gpus, "tolerance": tolerance,
+            "init_model": init[0].partition("=")[2] if init else None, "notes": notes,
+            "plots": {k: {"runs": v} for k, v in plots.items()}}
     write_summary(args.out, runs, meta)
-    print(open(os.path.join(args.out, "summary.md")).read())
+    with open(os.path.join(args.out, "summary.md")) as f:
+        print(f.read())
     flagged = [r["name"] for r in runs if r["flagged"]]
     if flagged:
-        print(f"compare: flagged: {', '.join(flagged)} (failed, or losses beyond {tolerance:g} of {runs[0]['name']})", file=sys.stderr)
+        print(f"compare: flagged: {', '.join(flagged)} (failed, or losses beyond {tolerance:g} of {runs[0]['name']})",
+              file=sys.stderr)
     return 1 if flagged else 0
 
 

@@ -25,6 +25,7 @@ CONFIGS = [(0, False, False), (1, False, False), (2, False, False), (2, True, Fa
 # weights), twice the bytes. ZeRO-3 adds weight all-gathers (~6% slower than ZeRO-2 for full 7B on 2xH200,
 # shared/FACTS.md); offloading runs Adam on the CPU over the whole partition every step, seconds for a 7B model.
 SPEED_ORDER = [(2, False, False), (1, False, False), (0, False, False), (3, False, False), (2, True, False), (3, True, True)]
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 FIT_FRACTION = 0.9  # the rest of the GPU goes to the CUDA context, NCCL buffers and allocator fragmentation
 
 
@@ -48,10 +49,6 @@ def count_parameters(cfg: dict[str, Any]) -> int:
     h, _, _, _, layers, vocab = _dims(cfg)
     shapes = linear_shapes(cfg)
     per_layer = sum(a * b for name, (a, b) in shapes.items() if name != "lm_head") + 2 * h  # + two RMSNorm weights
-    if cfg.get("attention_bias"):
-        per_layer += sum(shapes[n][1] for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-    if cfg.get("mlp_bias"):
-        per_layer += sum(shapes[n][1] for n in ("gate_proj", "up_proj", "down_proj"))
     head = 0 if cfg.get("tie_word_embeddings", False) else h * vocab
     return vocab * h + layers * per_layer + h + head
 
@@ -64,12 +61,8 @@ def _lora(lora_cfg: Any) -> dict[str, Any] | None:
     if not d.get("enabled", True):
         return None
     targets = list(d.get("target_modules") or [])
-    unknown = [t for t in targets if t not in linear_shapes({"hidden_size": 8, "num_attention_heads": 1,
-                                                             "intermediate_size": 8, "num_hidden_layers": 1,
-                                                             "vocab_size": 8})]
-    if unknown or not targets:
-        raise ValueError(f"lora.target_modules {targets!r}: the estimator knows q_proj, k_proj, v_proj, o_proj, "
-                         f"gate_proj, up_proj, down_proj and lm_head")
+    if not targets or not set(targets) <= set(LORA_TARGETS):
+        raise ValueError(f"lora.target_modules {targets!r}: the estimator knows {', '.join(LORA_TARGETS)}")
     return {"rank": int(d["rank"]), "targets": targets, "dropout": float(d.get("dropout", 0.0))}
 
 

@@ -28,7 +28,8 @@ def _import(name: str):
         raise ConfigError(f"train.log_to: unknown back-end {name!r}; choose from {', '.join(BACKENDS)}")
     try:
         if name == "tensorboard":
-            from torch.utils.tensorboard import SummaryWriter  # raises ImportError without the tensorboard package
+            # torch ships this module, but it raises ImportError without the tensorboard package.
+            from torch.utils.tensorboard import SummaryWriter
 
             return SummaryWriter
         import wandb
@@ -56,8 +57,8 @@ class TensorBoardBackend:
         SummaryWriter = _import("tensorboard")
         # A resumed run rewrites the steps after its checkpoint (as metrics.jsonl does): purge_step hides the
         # events the killed process had written for them. flush_secs bounds what a crash loses.
-        self.writer = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=start_step + 1 if start_step else None,
-                                    flush_secs=10)
+        self.writer = SummaryWriter(os.path.join(output_dir, "tensorboard"), flush_secs=10,
+                                    purge_step=start_step + 1 if start_step else None)
         if run_config:
             self.writer.add_text("config", f"```\n{json.dumps(run_config, indent=2)}\n```", global_step=start_step)
 
@@ -74,9 +75,13 @@ class WandbBackend:
 
     def __init__(self, output_dir: str, run_config: dict[str, Any] | None, project: str = "zerotune"):
         wandb = _import("wandb")
-        # Without WANDB_DIR the W&B files go into the run folder, next to metrics.jsonl, not into the launch directory.
-        self.run = wandb.init(project=project, name=os.path.basename(os.path.normpath(output_dir)),
-                              dir=None if os.environ.get("WANDB_DIR") else output_dir, config=run_config or {})
+        try:
+            # Without WANDB_DIR the W&B files go into the run folder, next to metrics.jsonl, not the launch directory.
+            self.run = wandb.init(project=project, name=os.path.basename(os.path.normpath(output_dir)),
+                                  dir=None if os.environ.get("WANDB_DIR") else output_dir, config=run_config or {})
+        except wandb.errors.UsageError as e:  # e.g. no API key, and no terminal to ask for one on
+            raise RuntimeError(f"W&B could not start a run ({e}): log in with `wandb login`, or set WANDB_MODE=offline "
+                               f"to keep the run local (`wandb sync` uploads it later)") from None
 
     def log(self, record: dict[str, Any]) -> None:
         self.run.log(_scalars(record), step=record["step"])

@@ -1,6 +1,6 @@
 """Training FLOPs counted exactly for Mistral, throughput, memory, the progress line and metrics.jsonl.
 
-    log = MetricsLog(output_dir, max_steps); log.step({"step": 1, "loss": 2.3, ...})
+    log = MetricsLog(output_dir, max_steps, enabled=True); log.write({"step": 1, "loss": 2.3, ...})
 
 FLOPs follow the usual convention (a multiply-add is 2 FLOPs, backward is twice forward, recomputation by
 activation checkpointing is not counted, attention scores are counted over the full sample length).
@@ -82,7 +82,8 @@ class MetricsLog:
         self.path = os.path.join(output_dir, "metrics.jsonl") if output_dir else None
         self.backends = []
         if enabled and log_to and output_dir:
-            from finetune.loggers import build_backends  # only a run that asks for a back-end imports its package
+            # Only a run that asks for a back-end imports its package.
+            from finetune.loggers import build_backends
 
             self.backends = build_backends(log_to, output_dir, run_config, start_step, wandb_project)
         self.t0 = time.perf_counter()

@@ -44,9 +44,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def prepare(config: str | None, deepspeed_json: str, overrides: list[str]) -> Run:
     """Load and check everything a user can get wrong, before any rank starts work (raises ConfigError)."""
     from finetune import dist
+    from finetune.loggers import check_backends
     from finetune.model import check_model_dir
 
     recipe = load_recipe(config, overrides)
+    check_backends(recipe.train.log_to)
     model_config = check_model_dir(recipe.model)
     _check_tokenizer_and_data(recipe)
     ds = resolve_ds_config(deepspeed_json, recipe, dist.world_size(), model_config["hidden_size"],
@@ -169,7 +171,8 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
         for group, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
             group["lr"] = base * fn(scheduler.last_epoch)
         dist.print0(f"resumed from {run.resume_from} at step {start_step}")
-    log = MetricsLog(t.output_dir, t.max_steps, enabled=dist.is_main(), start_step=start_step)
+    log = MetricsLog(t.output_dir, t.max_steps, enabled=dist.is_main(), start_step=start_step, log_to=t.log_to,
+                     run_config={"recipe": recipe_to_dict(r), "ds_config": run.ds}, wandb_project=t.wandb_project)
     records = []
     if start_step == 0:
         sample(0)
@@ -227,6 +230,7 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
             meta = {"recipe": recipe_to_dict(r), "ds_config": run.ds}
             path = checkpoint.save(engine, t.output_dir, step + 1, t.keep_last, meta)
             dist.print0(f"saved {path}")
+    log.close()
     sample(end_step)
     if dist.is_main() and samples:
         with open(os.path.join(t.output_dir, "samples.jsonl"), "w") as f:

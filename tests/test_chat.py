@@ -26,15 +26,16 @@ def runs(tmp_path_factory):
     base = save_tiny_model(str(tmp / "base"))
     common = ["--deepspeed", "ds_configs/zero2.json", "--config", TINY_RECIPE, f"train.sample_prompt={PROMPT}",
               f"train.sample_max_new_tokens={TOKENS}", "train.micro_batch_size=2"]
-    full = common + ["train.max_steps=60", "train.save_every=60", f"train.output_dir={tmp / 'full'}"]
-    lora = common + ["train.max_steps=8", "data.max_seq_len=128", "lora.enabled=true", f"model.path={base}",
-                     f"train.output_dir={tmp / 'lora'}"]
+    full = common + ["train.max_steps=30", "train.save_every=30", f"train.output_dir={tmp / 'full'}"]
+    lora = common + ["train.max_steps=8", "train.save_every=8", "data.max_seq_len=128", "lora.enabled=true",
+                     f"model.path={base}", f"train.output_dir={tmp / 'lora'}"]
     with ThreadPoolExecutor(2) as pool:
         for job in [pool.submit(run_ranks, 1, "finetune/main.py", args, 300) for args in (full, lora)]:
             job.result()
-    sample = lambda run: json.loads((tmp / run / "samples.jsonl").read_text().splitlines()[-1])["answer"]
-    return {"full": tmp / "full", "lora": tmp / "lora", "base": base, "full_answer": sample("full"),
-            "lora_answer": sample("lora")}
+    samples = lambda run: [json.loads(line)["answer"] for line in (tmp / run / "samples.jsonl").read_text().splitlines()]
+    (untrained, full), (_, lora) = samples("full"), samples("lora")
+    assert full != untrained and len(full.split()) >= 5, full  # trained weights, answering in several words
+    return {"full": tmp / "full", "lora": tmp / "lora", "base": base, "full_answer": full, "lora_answer": lora}
 
 
 def one_shot(capsys, *args) -> str:
@@ -44,11 +45,9 @@ def one_shot(capsys, *args) -> str:
 
 def test_run_folder_checkpoint_gives_the_engine_sample(runs, tmp_path):
     """The real command on a run folder that has only its checkpoint (exported on the fly); stdout is the answer alone."""
-    assert len(runs["full_answer"].split()) >= 5, runs["full_answer"]  # words, not an empty or one-token answer
     os.symlink(runs["full"] / "checkpoints", tmp_path / "checkpoints")
-    proc = subprocess.run([sys.executable, "-m", "finetune.cli", "chat", str(tmp_path), "--prompt", PROMPT,
-                           "--max-new-tokens", str(TOKENS)], cwd=ROOT, env=loopback_env(), capture_output=True,
-                          text=True, timeout=120)
+    cmd = [sys.executable, "-m", "finetune.cli", "chat", str(tmp_path), "--prompt", PROMPT, "--max-new-tokens", str(TOKENS)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=loopback_env(), capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == runs["full_answer"] + "\n"
     assert "exporting" in proc.stderr
@@ -59,11 +58,13 @@ def test_run_folder_and_export_give_the_engine_sample(runs, capsys):
     assert one_shot(capsys, str(runs["full"] / "export")) == runs["full_answer"] + "\n"
 
 
-def test_lora_adapter_on_its_base_gives_the_engine_sample(runs, capsys):
+def test_lora_adapter_on_its_base_gives_the_engine_sample(runs, capsys, tmp_path):
     adapter = str(runs["lora"] / "export")
     assert os.path.isfile(os.path.join(adapter, "adapter_config.json"))
     assert one_shot(capsys, adapter, "--base", runs["base"]) == runs["lora_answer"] + "\n"
     assert one_shot(capsys, adapter) == runs["lora_answer"] + "\n"  # the base recorded in adapter_config.json
+    os.symlink(runs["lora"] / "checkpoints", tmp_path / "checkpoints")  # a LoRA run folder with only its checkpoint
+    assert one_shot(capsys, str(tmp_path)) == runs["lora_answer"] + "\n"
     # ... and the adapter is what makes that answer: the base alone says something else.
     loaded = chat.load_chat_model(adapter, device="cpu")
     with loaded.model.disable_adapter():
@@ -101,3 +102,5 @@ def test_clear_errors(tmp_path, runs, capsys):
     assert "is not a run folder with export/ or a complete checkpoint" in capsys.readouterr().err
     assert chat.main([str(runs["lora"] / "export"), "--base", str(tmp_path / "nowhere"), "--prompt", "hi"]) == 2
     assert "pass --base PATH_TO_BASE_MODEL" in capsys.readouterr().err
+    assert chat.main([str(runs["lora"] / "export"), "--base", os.path.join(ROOT, "recipes", "tiny_model"), "--prompt", "hi"]) == 2
+    assert "has no weights (the run started from a random init)" in capsys.readouterr().err

@@ -74,7 +74,7 @@ def measured(tmp_path_factory):
         path = ds_variant(base, str(tmp / f"{name}.json"), bf16=bf16,
                           **({"stage3_param_persistence_threshold": 0} if base == "zero3" else {}))
         cases.append({"name": name, "deepspeed": path, "lora": lora, "stage": int(base[-1]), "bf16": bf16})
-    json.dump(cases, open(tmp / "cases.json", "w"))
+    (tmp / "cases.json").write_text(json.dumps(cases))
     run_ranks(2, os.path.join(ROOT, "tests", "estimate_probe.py"), [model_dir, str(tmp / "cases.json"), str(tmp / "out")],
               timeout=600)
     return cases, [json.load(open(tmp / f"out.{rank}.json")) for rank in (0, 1)]

@@ -27,7 +27,8 @@ def read_wandb(run_file) -> tuple[dict, list[dict]]:
     """(config, history rows) of an offline .wandb file: W&B's 7-byte header, then LevelDB log records of protobufs."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    data = open(run_file, "rb").read()
+    with open(run_file, "rb") as f:
+        data = f.read()
     assert data[:4] == b":W&B"
     block, pos, pending, config, history = 32768, 7, b"", {}, []
     while pos + 7 <= len(data):
@@ -58,7 +59,7 @@ def test_tiny_run_logs_the_same_records_to_tensorboard_and_wandb(tmp_path):
                                       "data.eval_fraction=0.1", "train.eval_every=2", "train.export=false",
                                       "train.sample_prompt=", "train.log_to=[tensorboard,wandb]", f"train.output_dir={out}"],
               timeout=300, env=env)
-    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [(r["step"], r["loss"]) for r in records if "loss" in r]
     evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
     assert [s for s, _ in steps] == [1, 2, 3, 4] and [s for s, _ in evals] == [2, 4]

@@ -1,4 +1,4 @@
-"""`zerotune plot` draws the 4 panels from runs' metrics.jsonl: one run, several overlaid, and a clear error without metrics."""
+"""`zerotune plot` draws 4 panels from runs' metrics.jsonl: one run, several overlaid, a clear error without metrics."""
 
 import json
 import struct
@@ -28,7 +28,8 @@ def png_info(path) -> tuple[int, int, list]:
     """(width, height, the runs listed in the PNG's Source text chunk)."""
     from PIL import Image
 
-    data = open(path, "rb").read()
+    with open(path, "rb") as f:
+        data = f.read()
     assert data[:8] == PNG_MAGIC
     width, height = struct.unpack(">II", data[16:24])
     return width, height, json.loads(Image.open(path).text["Source"])
