@@ -129,8 +129,8 @@ def estimated_gib(run_dir: str, world: int) -> float | None:
 
 
 def compare_losses(runs: list[dict[str, Any]], tolerance: float) -> None:
-    """Adds max_loss_diff (against the first run, over the steps both have) and flagged to every run."""
-    ref = runs[0]
+    """Adds max_loss_diff (against the first run that finished, over the steps both have) and flagged to every run."""
+    ref = next((r for r in runs if not r.get("error")), {"losses": []})
     for r in runs:
         if r.get("error"):
             r["max_loss_diff"], r["flagged"] = None, True
@@ -149,10 +149,10 @@ def write_summary(out: str, runs: list[dict[str, Any]], meta: dict[str, Any]) ->
     """summary.json (everything) and summary.md (the table and how to read it)."""
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump({**meta, "runs": runs}, f, indent=2)
-    intro = (f"{meta['steps']} steps per stage on {meta['gpus']} GPU(s) (processes on CPU); throughput, MFU and step "
+    intro = (f"{meta['steps']} steps per stage on {meta['gpus']} {meta['ranks']}; throughput, MFU and step "
              f"time average steps {meta['skip_steps'] + 1}-{meta['steps']} (the first {meta['skip_steps']} left out as "
              f"warm-up); peak memory is the largest over all steps and ranks. Losses are compared step by step with the "
-             f"first stage ({runs[0]['name']}); tolerance {meta['tolerance']:g}.")
+             f"first stage that finished ({meta['reference']}); tolerance {meta['tolerance']:g}.")
     header = ("| run | stage | offload | tok/s/GPU | MFU | step time (s) | peak allocated (GiB) | peak reserved (GiB) "
               "| estimated (GiB) | final loss | max loss diff | flag |")
     lines = [f"# ZeRO stage comparison: {meta['config']}", "", intro, "", header,
@@ -184,7 +184,8 @@ def _default_gpus() -> int:
 def main(argv: list[str] | None = None) -> int:
     from finetune import dist
     from finetune.config import ConfigError
-    from finetune.plots import plot_losses, plot_throughput_memory
+    from finetune.curves import plot_runs
+    from finetune.plots import plot_throughput_memory
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     owned = [o for o in args.overrides if o.partition("=")[0] in OWNED]
@@ -247,10 +248,17 @@ def main(argv: list[str] | None = None) -> int:
                      "so it is not comparable with the estimate, which counts accelerator memory only; MFU needs a known GPU.")
     notes.append("Estimated: finetune/estimate.py for each run's resolved recipe.yaml and ds_config.json "
                  "(weights, gradients, optimizer states, activations, DeepSpeed buffers), to compare with peak allocated.")
-    plots = {"throughput_memory.png": plot_throughput_memory(runs, os.path.join(args.out, "throughput_memory.png")),
-             "loss_curves.png": plot_losses(runs, os.path.join(args.out, "loss_curves.png"))}
+    finished = [r["run_dir"] for r in runs if not r.get("error")]
+    plots = {}
+    if finished:
+        plots["throughput_memory.png"] = plot_throughput_memory(runs, os.path.join(args.out, "throughput_memory.png"))
+        # `zerotune plot`'s figure: loss, lr, tokens/s and memory per step, one colour per stage
+        drawn = plot_runs(finished, os.path.join(args.out, "loss_curves.png"))
+        plots["loss_curves.png"] = [d["run_dir"] for d in drawn]
     meta = {"config": args.config or "recipes/mistral7b_lora.yaml", "overrides": args.overrides, "steps": args.steps,
             "skip_steps": args.skip_steps if args.steps > args.skip_steps else 0, "gpus": gpus, "tolerance": tolerance,
+            "ranks": "GPUs" if _has_cuda() else "CPU processes",
+            "reference": next((r["name"] for r in runs if not r.get("error")), None),
             "init_model": init[0].partition("=")[2] if init else None, "notes": notes,
             "plots": {k: {"runs": v} for k, v in plots.items()}}
     write_summary(args.out, runs, meta)
@@ -258,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f.read())
     flagged = [r["name"] for r in runs if r["flagged"]]
     if flagged:
-        print(f"compare: flagged: {', '.join(flagged)} (failed, or losses beyond {tolerance:g} of {runs[0]['name']})",
+        print(f"compare: flagged: {', '.join(flagged)} (failed, or losses beyond {tolerance:g} of {meta['reference']})",
               file=sys.stderr)
     return 1 if flagged else 0
 

@@ -22,8 +22,9 @@ GIB = 2**30
 CONFIGS = [(0, False, False), (1, False, False), (2, False, False), (2, True, False), (3, False, False), (3, True, True)]
 # Fastest first, for zerotune's shipped JSONs. ZeRO-2 reduces bf16 gradients in buckets overlapped with backward;
 # ZeRO-1 reduces the same bytes after backward; zerotune's ZeRO-0 all-reduces fp32 gradients (autocast keeps fp32
-# weights), twice the bytes. ZeRO-3 adds weight all-gathers (~6% slower than ZeRO-2 for full 7B on 2xH200,
-# shared/FACTS.md); offloading runs Adam on the CPU over the whole partition every step, seconds for a 7B model.
+# weights), twice the bytes; ZeRO-3 adds weight all-gathers. Measured with `zerotune compare`, Mistral-7B on 2xH200,
+# tok/s/GPU full | LoRA: ZeRO-2 7,536 | 8,223, ZeRO-1 7,543 | 8,266, ZeRO-0 6,461 | 6,422, ZeRO-3 6,199 | 2,996.
+# Offloading runs Adam on the CPU over the whole partition every step: seconds for a 7B model.
 SPEED_ORDER = [(2, False, False), (1, False, False), (0, False, False), (3, False, False), (2, True, False), (3, True, True)]
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 FIT_FRACTION = 0.9  # the rest of the GPU goes to the CUDA context, NCCL buffers and allocator fragmentation
@@ -255,11 +256,34 @@ def estimate_run(model_config: dict[str, Any], recipe, ds: dict[str, Any], world
                                 recipe.model.activation_checkpointing, act_bytes, recipe.model.attn_implementation,
                                 recipe.data.packing, adapter_dtype_bytes=adapter_bytes)
     buffers = estimate_buffers(model_config, ds, stage, weight_bytes)
+    trained_bytes = adapter_bytes if lora is not None else weight_bytes
+    step = step_gradients(states, stage, world, trained_bytes, offload_optimizer, zero.get("sub_group_size", 10**9))
+    # Activations live in backward, the step's gradient copies after it: the peak is the larger of the two moments.
+    backward = states["total"] + acts["total"] + buffers
+    at_step = states["params"] + states["optimizer"] + buffers + step
     return {"config": f"ZeRO-{stage}" + (" + offload" if offload_optimizer else ""), "stage": stage,
             "offload_optimizer": offload_optimizer, "offload_params": offload_params,
             "params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
-            "activations": acts["total"], "buffers": buffers, "total": states["total"] + acts["total"] + buffers,
+            "activations": acts["total"], "buffers": buffers, "step": step, "total": max(backward, at_step),
             "cpu": states["cpu"], "parameters": states["parameters"], "trained_parameters": states["trained_parameters"]}
+
+
+def step_gradients(states: dict[str, int], stage: int, world: int, trained_bytes: int, offload: bool,
+                   sub_group_size: int) -> int:
+    """Gradient bytes on the GPU during DeepSpeed's optimizer step (measured on 2xH200, Mistral-7B full).
+
+    ZeRO-1/2 flatten the 16-bit gradient partition and cast it to fp32 for the step: partition, flat copy and fp32
+    copy (a full 7B fine-tune on 2 GPUs peaks here, at 81.5 GiB, not in backward). ZeRO-3 does the same one
+    sub-group (sub_group_size elements) at a time; ZeRO-0's torch AdamW steps the fp32 gradients in place.
+    """
+    partition = -(-states["trained_parameters"] // max(1, world))
+    if offload:  # the fp32 partition is on the CPU
+        return states["grads"]
+    if stage in (1, 2):
+        return (2 * trained_bytes + 4) * partition
+    if stage == 3:
+        return states["grads"] + (trained_bytes + 4) * min(partition, int(sub_group_size))
+    return states["grads"]
 
 
 def config_files(deepspeed: str) -> list[str]:
@@ -306,9 +330,9 @@ def recommend(rows: list[dict[str, Any]]) -> str:
 
 def format_table(rows: list[dict[str, Any]], chosen: str | None = None) -> str:
     """Markdown table in GiB; the row of the `chosen` DeepSpeed file is marked with *."""
-    cols = ["params", "grads", "optimizer", "activations", "buffers", "total"]
-    lines = ["| config | weights | grads | optimizer | activations | buffers | total / GPU | CPU / node | fits |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    cols = ["params", "grads", "optimizer", "activations", "buffers", "step", "total"]
+    lines = ["| config | weights | grads | optimizer | activations | buffers | grads at step | peak / GPU | CPU / node | fits |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         name = r["config"] + (" *" if chosen and _display(chosen) == r["ds_config"] else "")
         cells = " | ".join(f"{r[c] / GIB:.1f}" for c in cols)
@@ -322,10 +346,13 @@ def _display(path: str) -> str:
     return os.path.abspath(path) if rel.startswith("..") else rel
 
 
-def _local_gpu_memory() -> float | None:
+def _local_gpus() -> tuple[int, float | None]:
+    """(GPUs on this machine, or 1; bytes of memory of the first, or None without a GPU)."""
     import torch
 
-    return float(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else None
+    if not torch.cuda.is_available():
+        return 1, None
+    return torch.cuda.device_count(), float(torch.cuda.get_device_properties(0).total_memory)
 
 
 def _local_cpu_memory() -> float | None:
@@ -350,17 +377,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    gpus = args.gpus
-    if gpus is None:
-        import torch
-
-        gpus = max(1, torch.cuda.device_count())
-    gpu_memory = args.gpu_memory_gib * GIB if args.gpu_memory_gib else _local_gpu_memory()
-    if gpus < 1 or args.nodes < 1:
-        print("zerotune estimate: error: --gpus and --nodes must be >= 1", file=sys.stderr)
-        return 2
-    if gpu_memory is None:
-        print("zerotune estimate: error: no GPU here to read the memory of: pass --gpu-memory-gib (e.g. 80 or 141)", file=sys.stderr)
+    local_gpus, local_memory = _local_gpus() if args.gpus is None or args.gpu_memory_gib is None else (None, None)
+    gpus = args.gpus if args.gpus is not None else local_gpus
+    gpu_memory = args.gpu_memory_gib * GIB if args.gpu_memory_gib else local_memory
+    if gpus < 1 or args.nodes < 1 or gpu_memory is None:
+        print("zerotune estimate: error: " + ("no GPU here to read the memory of: pass --gpu-memory-gib (e.g. 80 or 141)"
+              if gpu_memory is None else "--gpus and --nodes must be >= 1"), file=sys.stderr)
         return 2
     cpu_memory = args.cpu_memory_gib * GIB if args.cpu_memory_gib else _local_cpu_memory()
     try:
@@ -381,8 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {r.model.path} ({first['parameters']:,} parameters; {kind}: {first['trained_parameters']:,} trained)")
     print(f"per GPU: micro-batch {r.train.micro_batch_size} x {r.data.max_seq_len} tokens, activation checkpointing "
           f"{r.model.activation_checkpointing}, {r.model.attn_implementation}; {gpus} GPU(s) x {args.nodes} node(s)")
-    print(f"GPU memory {gpu_memory / GIB:.1f} GiB: a configuration fits when its estimate is <= {FIT_FRACTION:.0%} of it; "
-          f"GiB per GPU, * = {args.deepspeed}\n")
+    print(f"GPU memory {gpu_memory / GIB:.1f} GiB: a configuration fits when its peak is <= {FIT_FRACTION:.0%} of it. "
+          f"GiB per GPU; peak = the larger of backward (weights + grads + optimizer + activations + buffers) and the "
+          f"optimizer step (weights + optimizer + buffers + grads at step); * = {args.deepspeed}\n")
     print(format_table(rows, args.deepspeed))
     print("\n" + recommend(rows))
     return 0

@@ -1,9 +1,9 @@
-"""PNG plots of a stage comparison: throughput and memory per run, loss curves overlaid.
+"""PNG bars of a stage comparison: throughput and peak memory (measured and estimated) per run.
 
-    plot_throughput_memory(summaries, "runs/cmp/throughput_memory.png"); plot_losses(summaries, "runs/cmp/loss_curves.png")
+    plot_throughput_memory(summaries, "runs/cmp/throughput_memory.png")
 
-Each PNG carries the run folders it was drawn from in its `Source` text chunk (and compare lists them in summary.json),
-so a plot can always be traced back to the metrics.jsonl files behind it.
+The PNG carries the run folders it was drawn from in its `Source` text chunk (and compare lists them in summary.json),
+so a plot can always be traced back to the metrics.jsonl files behind it. Curves over steps are finetune/curves.py's.
 """
 
 from __future__ import annotations
@@ -51,19 +51,3 @@ def plot_throughput_memory(runs: list[dict[str, Any]], path: str) -> list[str]:
     ax2.set_title("peak memory")
     ax2.legend(fontsize=8)
     return _save(fig, path, ok, "throughput and memory per ZeRO stage")
-
-
-def plot_losses(runs: list[dict[str, Any]], path: str) -> list[str]:
-    """Training loss per step, one line per run; returns the sources."""
-    plt = _pyplot()
-    ok = [r for r in runs if r.get("losses")]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for k, r in enumerate(ok):
-        # Dashes of different lengths keep identical curves (the expected case) distinguishable.
-        ax.plot(r["steps"], r["losses"], label=r["name"], linestyle=(0, (6 - k % 4, 1 + k % 4)), marker=".")
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title("loss per ZeRO stage")
-    ax.legend(fontsize=8)
-    return _save(fig, path, ok, "loss curves per ZeRO stage")

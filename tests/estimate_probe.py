@@ -5,7 +5,7 @@
 For every case (a DeepSpeed JSON, LoRA or full) it takes one optimizer step, so Adam's states exist, then counts:
 weights (ZeRO-3: each parameter's partition `ds_tensor`), the fp32 master (ZeRO-1/2 `single_partition_of_fp32_groups`,
 ZeRO-3 `fp32_partitioned_groups_flat`) and Adam's `exp_avg`/`exp_avg_sq` in the wrapped torch optimizer's state.
-A tensor sharing storage with one already counted (ZeRO-3 steps fp32 weights in place) is counted once.
+A tensor sharing storage with one already counted (a master that is the weights themselves) is counted once.
 """
 
 import json
@@ -13,10 +13,11 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import deepspeed.comm.torch  # noqa: E402
+from tests.helpers import skip_shm_build  # noqa: E402
 
-deepspeed.comm.torch.build_shm_op = lambda: None  # a faster CPU all-reduce only; not needed here
+skip_shm_build()
 
+import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
 from finetune import dist  # noqa: E402

@@ -57,8 +57,12 @@ def test_plots_are_drawn_from_these_runs(compared):
         assert (out / png).stat().st_size > 10_000, png
         assert summary["plots"][png]["runs"] == run_dirs
         with Image.open(out / png) as image:
-            assert json.loads(image.text["Source"]) == run_dirs  # the PNG itself names its run folders
+            source = json.loads(image.text["Source"])  # the PNG itself names its run folders
             assert image.size[0] >= 600
+        if png == "loss_curves.png":  # zerotune plot's figure: also how many points of each series it drew
+            assert [d["points"]["loss"] for d in source] == [3] * 4
+            source = [d["run_dir"] for d in source]
+        assert source == run_dirs
 
 
 def _run(name, losses):
@@ -72,11 +76,16 @@ def test_a_stage_beyond_tolerance_is_flagged(tmp_path):
     compare_losses(runs, 2e-2)
     assert [r["flagged"] for r in runs] == [False, False, True, True]  # zero2 lost a step: flagged too
     assert runs[2]["max_loss_diff"] == pytest.approx(0.05)
-    write_summary(str(tmp_path), runs, {"config": "x", "steps": 2, "skip_steps": 1, "gpus": 2, "tolerance": 2e-2,
-                                        "notes": [], "plots": {}})
+    write_summary(str(tmp_path), runs, {"config": "x", "steps": 2, "skip_steps": 1, "gpus": 2, "ranks": "GPUs",
+                                        "reference": "zero0", "tolerance": 2e-2, "notes": [], "plots": {}})
     text = (tmp_path / "summary.md").read_text()
     assert text.count("LOSS DIFFERS") == 2
     assert [r["flagged"] for r in json.load(open(tmp_path / "summary.json"))["runs"]] == [False, False, True, True]
+    # a failed first stage: the next one that finished becomes the reference
+    runs = [{"name": "zero0", "run_dir": "/r/zero0", "error": "exit code 1", "losses": []}, _run("zero1", [10.0, 9.0]),
+            _run("zero2", [10.0, 9.001])]
+    compare_losses(runs, 2e-2)
+    assert [r["flagged"] for r in runs] == [True, False, False]
 
 
 def test_refuses_a_used_folder_and_owned_overrides(tmp_path):
