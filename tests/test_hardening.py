@@ -95,7 +95,7 @@ FAULTS = [
           lambda tmp, run: _build(tmp, run, _data(tmp, ['{"instruction": "' + "word " * 20 + '", "output": "Hi!"}']),
                                   "data.max_seq_len=8", "data.overlong=truncate"),
           fix="check data.format; with chat data, each conversation needs an assistant turn"),
-    Fault("unknown-format", "an unknown data.format", r"unknown dataset format 'alpacca'; known formats: alpaca, ",
+    Fault("unknown-format", "an unknown data.format", r"unknown dataset format 'alpacca'; known formats: .*alpaca, .*sharegpt",
           lambda tmp, run: _prepare(run, "data.format=alpacca", "train.resume=auto")),
     Fault("plugin-import", "a data.plugins module that does not import", r"cannot import dataset-format plugin module 'no_such_pkg.formats'",
           lambda tmp, run: _prepare(run, "data.plugins=[no_such_pkg.formats]", "train.resume=auto"),
