@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import datetime
 import os
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: the launcher uses free_port without paying for torch
+    import torch
 
 
 def rank() -> int:
@@ -51,6 +53,7 @@ def adopt_openmpi_env() -> None:
 def init(timeout_minutes: float = 30.0) -> None:
     """Start the process group once (gloo on CPU, nccl on GPU), with a bounded timeout so a lost rank ends the job."""
     import deepspeed
+    import torch
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return
@@ -73,16 +76,18 @@ def init(timeout_minutes: float = 30.0) -> None:
         accelerator.set_device(local_rank())
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on at 127.0.0.1 right now."""
+def free_port(address: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on at `address` (a loopback address) right now."""
     import socket
 
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((address, 0))
         return s.getsockname()[1]
 
 
 def device() -> torch.device:
+    import torch
+
     import deepspeed
 
     accelerator = deepspeed.get_accelerator()
@@ -93,6 +98,8 @@ def device() -> torch.device:
 
 def all_reduce_sum(value: float | torch.Tensor) -> torch.Tensor:
     """Sum a scalar or tensor over all ranks (a float64 copy; the input is left alone)."""
+    import torch
+
     t = torch.as_tensor(value, dtype=torch.float64).clone().detach()
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         backend_device = device()
@@ -103,6 +110,8 @@ def all_reduce_sum(value: float | torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce_max(value: float) -> float:
+    import torch
+
     t = torch.tensor([value], dtype=torch.float64)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         t = t.to(device())
@@ -111,6 +120,8 @@ def all_reduce_max(value: float) -> float:
 
 
 def barrier() -> None:
+    import torch
+
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.barrier()
 

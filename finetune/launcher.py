@@ -9,21 +9,13 @@ command, and end the whole job, naming the rank and host, when one rank is lost.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import os
-import queue
 import re
 import shlex
-import signal
 import socket
-import subprocess
 import sys
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import IO
 
 from finetune.hostfile import (
     HostfileError,
@@ -34,6 +26,8 @@ from finetune.hostfile import (
     load_hostfile,
     slurm_hosts,
 )
+from finetune.dist import free_port
+from finetune.jobwatch import run_job, span
 from finetune.preflight import Transport, run_preflight
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,28 +40,7 @@ FORWARD_NAMES = (
 )
 SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|CREDENTIAL")
 PDSH_SSH_ARGS = "-o BatchMode=yes -o ServerAliveInterval=10 -o ServerAliveCountMax=6"  # a vanished host: pdsh ends
-STOP_WAIT_S = 10.0
 
-# Runs over ssh on each host to stop this job only: the `deepspeed.launcher.launch` processes started with this
-# job's master address and port, and everything under them (DeepSpeed's own stop is `pkill -f` on any launch).
-_STOP_SNIPPET = r"""
-import sys, psutil
-want = {"deepspeed.launcher.launch", "--master_addr=" + sys.argv[1], "--master_port=" + sys.argv[2]}
-procs = []
-for p in psutil.process_iter(["cmdline"]):
-    if want <= set(p.info["cmdline"] or []):
-        try:
-            procs += [p] + p.children(recursive=True)
-        except psutil.NoSuchProcess:
-            pass
-for p in procs:
-    try:
-        p.terminate()
-    except psutil.NoSuchProcess:
-        pass
-for p in psutil.wait_procs(procs, timeout=5)[1]:
-    p.kill()
-"""
 
 
 class LaunchError(RuntimeError):
@@ -120,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = build_plan(args, train_args, dict(os.environ))
     except (LaunchError, HostfileError) as e:
         return _fail(str(e), 2)
-    layout = "; ".join(f"{host}: {_span(ranks)}" for host, ranks in plan.ranks().items())
+    layout = "; ".join(f"{host}: {span(ranks)}" for host, ranks in plan.ranks().items())
     print(f"zerotune launch: {len(plan.hosts)} host(s), ranks {layout}; launcher {plan.launcher}, "
           f"master {plan.master_addr}:{plan.master_port}")
     if plan.hostfile_text is not None:
@@ -188,7 +161,7 @@ def build_plan(args: argparse.Namespace, train_args: list[str], environ: dict[st
     master_addr = args.master_addr or (first if args.launcher == "slurm" else address_of(first))
     loopback = args.launcher != "slurm" and all(is_loopback(address_of(host)) for host in hosts)
     local = args.launcher == "pdsh" and len(hosts) == 1 and (loopback or first == socket.gethostname())
-    master_port = args.master_port or _free_port()
+    master_port = args.master_port or free_port()
     deepspeed = [_deepspeed(), "--hostfile", hostfile, "--master_addr", master_addr, "--master_port", str(master_port)]
     if local or (not args.skip_preflight and args.launcher != "slurm"):
         deepspeed.append("--no_ssh_check")  # the preflight checked ssh, with a timeout; DeepSpeed's check has none
@@ -288,175 +261,12 @@ def output_dir_of(train_args: list[str]) -> str:
         raise LaunchError(f"cannot resolve train.output_dir for the preflight: {e}") from e
 
 
-def run_job(plan: LaunchPlan, *, grace: float) -> int:
-    """Run the command and echo its output; when a rank fails, give the others `grace` seconds, then stop them."""
-    watch = JobWatch(plan.ranks())
-    proc = subprocess.Popen(
-        plan.command, env={**os.environ, **plan.exports(), **plan.command_env}, text=True, errors="replace",
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=1,
-        start_new_session=True,  # Ctrl-C reaches us only: DeepSpeed's runner answers it with `pkill -f`
-    )
-    lines: queue.Queue[str | None] = queue.Queue()
-    threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if main_thread else None
-    failed_at, stopped = None, False
-    try:
-        while (line := _next_line(lines)) is not None:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            if (failure := watch.feed(line)) and failed_at is None:
-                failed_at = time.monotonic()
-                print(f"zerotune launch: {failure}; the other ranks get {grace:.0f} s to stop", flush=True)
-            if failed_at is not None and not stopped and time.monotonic() - failed_at > grace:
-                print("zerotune launch: ranks still running; stopping the job on every host", flush=True)
-                _stop(plan, proc)
-                stopped = True
-        code = proc.wait()
-    except KeyboardInterrupt:
-        print("zerotune launch: interrupted; stopping the job on every host", flush=True)
-        _stop(plan, proc)
-        return 130
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-    if watch.failures or code != 0:
-        print(f"zerotune launch: job failed: {watch.summary() or 'the job ' + _exit_text(code)}", file=sys.stderr)
-        return code or 1
-    print("zerotune launch: job finished", flush=True)
-    return 0
-
-
-def _pump(stream: IO[str], lines: queue.Queue) -> None:
-    for line in stream:
-        lines.put(line)
-    lines.put(None)
-
-
-def _next_line(lines: queue.Queue) -> str | None:
-    """The next line of output, '' after half a second of silence (so the grace clock still ticks), None at the end."""
-    try:
-        return lines.get(timeout=0.5)
-    except queue.Empty:
-        return ""
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
-def _stop(plan: LaunchPlan, proc: subprocess.Popen) -> None:
-    """Stop this job only. pdsh: kill its processes on each host by master address and port, and never SIGTERM
-    DeepSpeed's runner (its handler runs `pkill -f` on every DeepSpeed launch). Others: SIGTERM our process group."""
-    if plan.launcher == "pdsh" and not plan.local:
-        script = shlex.join([sys.executable, "-c", _STOP_SNIPPET, plan.master_addr, str(plan.master_port)])
-        with ThreadPoolExecutor(max_workers=min(32, len(plan.hosts))) as pool:
-            answers = pool.map(lambda host: plan.transport().run(host, script), plan.hosts)
-            for host, (code, _, err) in zip(plan.hosts, answers):
-                if code != 0:
-                    print(f"zerotune launch: could not stop the ranks on {host} ({err.strip() or code}); check by hand")
-    elif proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=STOP_WAIT_S)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # what is left of our own process group: runner, pdsh, ssh
-    proc.wait()
-
-
-@dataclass
-class Failure:
-    host: str
-    ranks: list[int]
-    how: str
-
-    def __str__(self) -> str:
-        who = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"a rank of {_span(self.ranks)}"
-        return f"{who} on {self.host} {self.how}"
-
-
-class JobWatch:
-    """Reads the job's output and recognises lost ranks as pdsh, mpirun and srun report them."""
-
-    _PDSH = re.compile(r"^pdsh@\S+: (\S+): ssh exited with exit code (\d+)")
-    _MPI_SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)")
-    _MPI_NAME = re.compile(r"Process name:\s+\[\[\d+,\d+\],(\d+)\]")
-    _MPI_CODE = re.compile(r"Exit code:\s+(\d+)")
-    _SRUN = re.compile(r"srun: error: (\S+): tasks? [\d,-]+: (.+)")
-    _PEER_GONE = re.compile(r"^(\S+): .*(Connection (closed|reset) by peer|Broken pipe|NCCL.*(abort|[Ww]atchdog))")
-
-    def __init__(self, ranks: dict[str, list[int]]):
-        self.ranks = ranks
-        self.failures: list[Failure] = []
-        self.followers: set[str] = set()
-        """Hosts whose ranks said a peer went away: they failed because another one did."""
-        self._mpi_rank: int | None = None
-
-    def feed(self, line: str) -> Failure | None:
-        """Take one line of output; return the failure it reports, if it is a new one."""
-        if match := self._PEER_GONE.match(line):
-            self.followers.add(match[1])
-        failure = None
-        if match := self._PDSH.match(line):
-            failure = Failure(match[1], self.ranks.get(match[1], []), _exit_text(int(match[2]), ssh=True))
-        elif match := self._MPI_SIGNAL.search(line):
-            failure = Failure(match[2], [int(match[1])], f"was killed by signal {_signal_name(int(match[3]))}")
-        elif match := self._MPI_NAME.search(line):
-            self._mpi_rank = int(match[1])
-        elif (match := self._MPI_CODE.search(line)) and self._mpi_rank is not None:
-            rank, self._mpi_rank = self._mpi_rank, None
-            host = next((h for h, ranks in self.ranks.items() if rank in ranks), "?")
-            failure = Failure(host, [rank], _exit_text(int(match[1])))
-        elif match := self._SRUN.search(line):
-            failure = Failure(match[1], self.ranks.get(match[1], []), match[2].strip().lower())
-        if failure is None or any(f.host == failure.host and f.ranks == failure.ranks for f in self.failures):
-            return None
-        self.failures.append(failure)
-        return failure
-
-    def summary(self) -> str:
-        """The first failure of a host that did not merely lose its peers, then the others."""
-        if not self.failures:
-            return ""
-        first = next((f for f in self.failures if f.host not in self.followers), self.failures[0])
-        rest = [str(f) for f in self.failures if f is not first]
-        return str(first) + (f" (after it: {'; '.join(rest)})" if rest else "")
-
-
-def _exit_text(code: int, ssh: bool = False) -> str:
-    if ssh and code == 255:
-        return "was lost: ssh exited with 255 (host down, network, or sshd)"
-    if 128 < code < 192:
-        return f"was killed by signal {_signal_name(code - 128)}"
-    if code >= 192:  # DeepSpeed's launch exits with -signal, which the shell sees as 256 - signal
-        return f"was killed by signal {_signal_name(256 - code)}"
-    return f"exited with code {code}"
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return f"{number} ({signal.Signals(number).name})"
-    except ValueError:
-        return str(number)
-
-
-def _span(ranks: list[int]) -> str:
-    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}" if ranks else "none"
-
-
 def _plain_iface(environ: dict[str, str]) -> str:
     """NCCL/GLOO_SOCKET_IFNAME when it names one interface (not a list, a prefix match or an exclusion)."""
     for key in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
         if re.fullmatch(r"[\w.]+", value := environ.get(key, "")):
             return value
     return ""
-
-
-def _free_port() -> int:
-    """Like finetune.dist.free_port, which imports torch: the launcher starts in a tenth of a second without it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _is_root() -> bool:

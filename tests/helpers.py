@@ -4,20 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
+
+from finetune.dist import free_port  # noqa: F401  (tests import it from here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_BIN = os.path.dirname(sys.executable)
 TINY_CONFIG = os.path.join(ROOT, "recipes", "tiny_model", "config.json")
 TINY_RECIPE = os.path.join(ROOT, "recipes", "tiny.yaml")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def loopback_env(**extra: str) -> dict[str, str]:

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
+
+from finetune.dist import free_port
 
 NODES = {"127.0.0.1": "127.0.0.1", "127.0.0.2": "127.0.0.2"}
 BINARIES = ("/usr/sbin/sshd", "ssh", "ssh-keygen", "pdsh", "mpirun")
@@ -30,12 +31,6 @@ BINARIES = ("/usr/sbin/sshd", "ssh", "ssh-keygen", "pdsh", "mpirun")
 
 def missing_binaries(names: tuple[str, ...] = BINARIES) -> list[str]:
     return [name for name in names if shutil.which(name) is None]
-
-
-def free_port(address: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
 
 
 def write_ssh_wrapper(root: str, aliases: dict[str, tuple[str, int]], key: str | None = None) -> str:

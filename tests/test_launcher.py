@@ -25,7 +25,8 @@ import pytest
 
 from finetune import launcher
 from finetune.hostfile import HostfileError, expand_nodelist, filter_hosts, load_hostfile, parse_hostfile, slurm_hosts
-from finetune.launcher import JobWatch, LaunchError, merge_env_file
+from finetune.jobwatch import JobWatch
+from finetune.launcher import LaunchError, merge_env_file
 from tests.sshd_fixture import IsolatedNetwork, LoopbackCluster, free_port, missing_binaries, write_ssh_wrapper
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
