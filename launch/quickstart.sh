@@ -3,11 +3,13 @@
 # then print a sample generation from the trained model. Run from the repository root: bash launch/quickstart.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! command -v nvidia-smi >/dev/null 2>&1; then
-  pip install -q torch==2.13.0            # the CPU build; GPU machines keep the torch they have
+if command -v nvidia-smi >/dev/null 2>&1; then
+  pip install -q --no-build-isolation -e .                      # GPU machines keep the torch they have
+else
+  pip install -q torch==2.13.0                                  # the CPU build, alone first: deepspeed builds against it
+  pip install -q --no-build-isolation -c .ci/constraints.txt -e .   # the versions CI tests
 fi
-pip install -q --no-build-isolation -e .
-port=$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+port=$(python -c 'from finetune.dist import free_port; print(free_port())')
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
 deepspeed --num_gpus 2 --master_addr 127.0.0.1 --master_port "$port" \
   finetune/main.py --deepspeed ds_configs/zero3.json --config recipes/tiny.yaml train.overwrite=true "$@"
