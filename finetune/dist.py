@@ -126,6 +126,16 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
+def shutdown() -> None:
+    """Leave the process group cleanly at the end of a run: exiting with gloo's threads still running can end the
+    process with `terminate called without an active exception` (SIGABRT) after a successful run."""
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        barrier()
+        torch.distributed.destroy_process_group()
+
+
 def print0(*args, **kwargs) -> None:
     """Print on rank 0 only, flushed (logs of several ranks interleave otherwise)."""
     if is_main():

@@ -338,4 +338,6 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as e:
         print(f"zerotune: error: {e}", file=sys.stderr)
         return 3
+    finally:
+        dist.shutdown()
     return 0

@@ -41,3 +41,4 @@ def main(out_dir: str, cache_dir: str, data: str, bad: str) -> None:
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     main(*args)
+    dist.shutdown()

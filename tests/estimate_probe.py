@@ -82,3 +82,4 @@ if __name__ == "__main__":
     results = {case["name"]: run_case(model_dir, case) for case in cases}
     with open(f"{out_prefix}.{dist.rank()}.json", "w") as f:
         json.dump(results, f)
+    dist.shutdown()

@@ -97,3 +97,4 @@ def driver_main(one_case) -> None:
     if dist.is_main():
         with open(out, "w") as f:
             json.dump(results, f)
+    dist.shutdown()

@@ -30,3 +30,4 @@ if __name__ == "__main__":
     _, total = trainable_parameters(model)
     with open(f"{out_prefix}.{dist.rank()}.json", "w") as f:
         json.dump({"resident": resident_parameter_elements(model), "total": total, "world": dist.world_size()}, f)
+    dist.shutdown()
