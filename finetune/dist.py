@@ -74,6 +74,26 @@ def init(timeout_minutes: float = 30.0) -> None:
     accelerator = deepspeed.get_accelerator()
     if accelerator.device_name() != "cpu":
         accelerator.set_device(local_rank())
+    else:
+        _unlink_shm_workspace()
+
+
+def shm_workspace_path(rank_: int) -> str:
+    """Where DeepSpeed's CPU shm all-reduce keeps a rank's workspace (its shm.cpp names it so)."""
+    return (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
+            f"{os.environ.get('MASTER_PORT')}_{rank_}")
+
+
+def _unlink_shm_workspace() -> None:
+    """DeepSpeed's CPU shm all-reduce creates a 66 MB file per rank in /dev/shm and never unlinks it, so every CPU
+    run left them behind until /dev/shm (which is RAM) filled. init_distributed returns on a rank only after it has
+    mapped every peer's workspace, so after a barrier the names can go: the mappings stay valid until the process
+    exits, and a run that is killed leaves nothing behind either."""
+    barrier()
+    try:
+        os.unlink(shm_workspace_path(rank()))
+    except FileNotFoundError:  # the op was not built (DS_BUILD_SHM_COMM=0, tests) or ranks are on several hosts
+        pass
 
 
 def free_port(address: str = "127.0.0.1") -> int:
