@@ -27,6 +27,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--config", metavar="PATH", default=None, help="YAML recipe (default recipes/mistral7b_lora.yaml)")
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
     p.add_argument("--offload", action="store_true", help="also run zero2_offload.json and zero3_offload.json (for stages 2, 3)")
+    p.add_argument("--budgets", type=float, nargs="+", default=None, metavar="GIB",
+                   help="instead of stages: one run per GPU memory budget, `--deepspeed auto train.gpu_memory_gib=GIB` "
+                        "(zerotune chooses stage, offload, checkpointing and micro-batch; on CUDA the budget is enforced)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps per stage (default 20)")
     p.add_argument("--skip-steps", type=int, default=1,
                    help="first steps left out of throughput and step time: they include warm-up (allocator, kernel "
@@ -42,8 +45,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_runs(stages: list[int], offload: bool) -> list[str]:
-    """Run names, which are also the DeepSpeed JSON names: zero0, zero1, ..., zero2_offload, zero3_offload."""
+def build_runs(stages: list[int], offload: bool, budgets: list[float] | None = None) -> list[str]:
+    """Run names, which are also the DeepSpeed JSON names: zero0, zero1, ..., zero2_offload, zero3_offload; or
+    budget24, budget40, ... for --budgets."""
+    if budgets:
+        return [f"budget{b:g}" for b in dict.fromkeys(budgets)]
     names = [f"zero{s}" for s in dict.fromkeys(stages)]
     if offload:
         names += [f"zero{s}_offload" for s in dict.fromkeys(stages) if s in (2, 3)]
@@ -79,13 +85,15 @@ def shared_init(config: str | None, overrides: list[str], out: str, bf16: bool) 
 def run_command(name: str, args: argparse.Namespace, gpus: int, port: int, init: list[str]) -> list[str]:
     """The `deepspeed` command line of one stage: loopback rendezvous, no sample generation, no export."""
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    budget = name[len("budget"):] if name.startswith("budget") else None
     cmd = [deepspeed if os.path.exists(deepspeed) else "deepspeed", "--num_gpus", str(gpus),
            "--master_addr", "127.0.0.1", "--master_port", str(port), os.path.join(ROOT, "finetune", "main.py"),
-           "--deepspeed", os.path.join(args.ds_dir, f"{name}.json")]
+           "--deepspeed", "auto" if budget else os.path.join(args.ds_dir, f"{name}.json")]
     if args.config:
         cmd += ["--config", args.config]
     own = [f"train.max_steps={args.steps}", f"train.output_dir={os.path.join(args.out, name)}",
            "train.sample_prompt=null", "train.export=false", "train.save_every=0"]
+    own += [f"train.gpu_memory_gib={budget}"] if budget else []
     return cmd + list(args.overrides) + init + own + (["train.overwrite=true"] if args.overwrite else [])
 
 
@@ -114,6 +122,21 @@ def summarize_run(name: str, run_dir: str, steps: list[dict[str, Any]], skip: in
         "peak_reserved_gib": max((r["peak_reserved_gib"] for r in steps if r.get("peak_reserved_gib") is not None), default=None),
         "final_loss": steps[-1]["loss"] if steps else None,
     }
+
+
+def what_ran(run_dir: str) -> dict[str, Any]:
+    """Stage and offload from the run's resolved ds_config.json, and its memory plan when a budget chose them."""
+    from finetune.ds_config import offloads_optimizer, zero_stage
+
+    with open(os.path.join(run_dir, "ds_config.json")) as f:
+        ds = json.load(f)
+    out = {"stage": zero_stage(ds), "offload": offloads_optimizer(ds), "plan": None}
+    plan = os.path.join(run_dir, "memory_plan.json")
+    if os.path.isfile(plan):
+        with open(plan) as f:
+            out["plan"] = json.load(f)
+        out["ds_config"] = out["plan"]["deepspeed"]
+    return out
 
 
 def estimated_gib(run_dir: str, world: int) -> float | None:
@@ -153,17 +176,21 @@ def write_summary(out: str, runs: list[dict[str, Any]], meta: dict[str, Any]) ->
              f"time average steps {meta['skip_steps'] + 1}-{meta['steps']} (the first {meta['skip_steps']} left out as "
              f"warm-up); peak memory is the largest over all steps and ranks. Losses are compared step by step with the "
              f"first stage that finished ({meta['reference']}); tolerance {meta['tolerance']:g}.")
-    header = ("| run | stage | offload | tok/s/GPU | MFU | step time (s) | peak allocated (GiB) | peak reserved (GiB) "
+    header = ("| run | stage | offload | chosen | tok/s/GPU | MFU | step time (s) | peak allocated (GiB) | peak reserved (GiB) "
               "| estimated (GiB) | final loss | max loss diff | flag |")
-    lines = [f"# ZeRO stage comparison: {meta['config']}", "", intro, "", header,
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    title = "Memory budget comparison" if any(r["name"].startswith("budget") for r in runs) else "ZeRO stage comparison"
+    lines = [f"# {title}: {meta['config']}", "", intro, "", header,
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in runs:
         if r.get("error"):
-            lines.append(f"| {r['name']} | | | | | | | | | | | FAILED: {r['error']} |")
+            lines.append(f"| {r['name']} | | | | | | | | | | | | FAILED: {r['error']} |")
             continue
         mfu = None if r["mfu"] is None else 100 * r["mfu"]
+        plan = r.get("plan")
+        chosen = (f"{os.path.basename(plan['deepspeed'])}, checkpointing {plan['activation_checkpointing']}, "
+                  f"micro-batch {plan['micro_batch_size']} x {plan['grad_accum']}" if plan else "")
         lines.append(
-            f"| {r['name']} | {r['stage']} | {'yes' if r['offload'] else 'no'} | {_fmt(r['tokens_per_s_per_gpu'], ',.0f')} "
+            f"| {r['name']} | {r['stage']} | {'yes' if r['offload'] else 'no'} | {chosen} | {_fmt(r['tokens_per_s_per_gpu'], ',.0f')} "
             f"| {_fmt(mfu, '.1f')}{'%' if mfu is not None else ''} | {_fmt(r['step_time_s'], '.3f')} "
             f"| {_fmt(r['peak_mem_gib'], '.2f')} | {_fmt(r['peak_reserved_gib'], '.2f')} | {_fmt(r.get('estimated_gib'), '.2f')} "
             f"| {_fmt(r['final_loss'], '.4f')} | {_fmt(r['max_loss_diff'], '.2e')} "
@@ -195,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1:
         print("zerotune compare: error: --steps must be >= 1", file=sys.stderr)
         return 2
-    names = build_runs(args.stages, args.offload)
-    missing = [n for n in names if not os.path.isfile(os.path.join(args.ds_dir, f"{n}.json"))]
+    names = build_runs(args.stages, args.offload, args.budgets)
+    missing = [n for n in names if not n.startswith("budget") and not os.path.isfile(os.path.join(args.ds_dir, f"{n}.json"))]
     if missing:
         print(f"zerotune compare: error: no {', '.join(m + '.json' for m in missing)} in {args.ds_dir}", file=sys.stderr)
         return 2
@@ -205,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     gpus = args.gpus or _default_gpus()
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
-    bf16 = any(_is_bf16(os.path.join(args.ds_dir, f"{n}.json")) for n in names)
+    bf16 = any(_is_bf16(os.path.join(args.ds_dir, "zero3.json" if n.startswith("budget") else f"{n}.json")) for n in names)
     try:
         init = shared_init(args.config, args.overrides, args.out, bf16)
     except ConfigError as e:
@@ -231,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"compare: {name} failed (exit code {code}); its log: {log}", file=sys.stderr)
             continue
         run = summarize_run(name, run_dir, steps, args.skip_steps, gpus)
-        run["ds_config"] = os.path.join(args.ds_dir, f"{name}.json")
+        run.update(what_ran(run_dir))
+        run.setdefault("ds_config", os.path.join(args.ds_dir, f"{name}.json"))
         run["estimated_gib"] = estimated_gib(run_dir, gpus)
         runs.append(run)
         print(f"compare: {name}: {_fmt(run['tokens_per_s_per_gpu'], ',.0f')} tok/s/GPU, "

@@ -124,6 +124,14 @@ class TrainConfig:
     sample_max_new_tokens: int = 64
     log_to: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)
     """Extra metric back-ends fed the same records as metrics.jsonl (rank 0): `tensorboard` (<output_dir>/tensorboard), `wandb`."""
+    gpu_memory_gib: float | None = None
+    """GPU memory budget per GPU: zerotune picks activation checkpointing and micro-batch (and, with --deepspeed auto,
+    the ZeRO stage and offload) that the estimator fits into it, keeping the batch per step; on CUDA it also caps the
+    allocator there (simulate a 24 GB card on a bigger one). null = no budget."""
+    cpu_memory_gib: float | None = None
+    """CPU memory per node that offloaded states may use; null = the node's (MemTotal, capped by its cgroup limit)."""
+    nvme_path: str | None = None
+    """Folder on a local NVMe disk for ds_configs/zero3_nvme.json (its nvme_path "auto")."""
     wandb_project: str = "zerotune"
     """W&B project of the run when `wandb` is in log_to (WANDB_MODE=offline writes it locally, no network)."""
 
@@ -147,6 +155,10 @@ class Recipe:
             (self.optim.lr > 0, "optim.lr must be > 0"),
             (self.optim.warmup_steps >= 0, "optim.warmup_steps must be >= 0"),
             (not self.lora.enabled or self.lora.rank > 0, "lora.rank must be > 0 (or set lora.enabled=false)"),
+            (self.train.gpu_memory_gib is None or self.train.gpu_memory_gib > 0,
+             "train.gpu_memory_gib must be > 0 (GiB per GPU), or null for no budget"),
+            (self.train.cpu_memory_gib is None or self.train.cpu_memory_gib > 0,
+             "train.cpu_memory_gib must be > 0 (GiB per node), or null to read it from the node"),
         ]
         for ok, message in checks:
             if not ok:

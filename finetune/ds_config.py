@@ -10,7 +10,9 @@ but a different value is an error naming both files, and an "auto" we do not kno
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
+import os
 from typing import Any
 
 from finetune.config import ConfigError, Recipe
@@ -29,9 +31,11 @@ def load_ds_json(path: str) -> dict[str, Any]:
 
 
 def resolve_ds_config(
-    path: str, recipe: Recipe, world_size: int, hidden_size: int, recipe_path: str = "the recipe"
+    path: str, recipe: Recipe, world_size: int, hidden_size: int, recipe_path: str = "the recipe",
+    vocab_size: int = 32000,
 ) -> dict[str, Any]:
-    """The DeepSpeed config to hand to the engine, with every "auto" filled from the recipe."""
+    """The DeepSpeed config to hand to the engine, with every "auto" filled from the recipe (and, for NVMe offload's
+    buffers, the model's width and vocabulary)."""
     raw = load_ds_json(path)
     ds = copy.deepcopy(raw)
     t, o = recipe.train, recipe.optim
@@ -59,6 +63,7 @@ def resolve_ds_config(
     for key, value in engine_auto.items():
         if zero.get(key) == AUTO:
             zero[key] = value
+    _fill_nvme(zero, recipe, path, recipe_path, hidden_size * vocab_size)
 
     if "optimizer" in ds and ds["optimizer"].get("type", "AdamW").lower() != "adamw":
         raise ConfigError(f"{path}: optimizer.type {ds['optimizer']['type']!r}: zerotune trains with AdamW; remove the block or set \"AdamW\"")
@@ -86,6 +91,41 @@ def resolve_ds_config(
     ds.setdefault("steps_per_print", 10**9)  # our own progress line replaces DeepSpeed's
     ds.setdefault("wall_clock_breakdown", False)
     return ds
+
+
+def _fill_nvme(zero: dict[str, Any], recipe: Recipe, path: str, recipe_path: str, largest_param: int) -> None:
+    """NVMe offload: nvme_path "auto" comes from train.nvme_path; the parameter swap buffers must hold the largest
+    tensor (the embedding), which DeepSpeed's default of 1e8 elements does not for Mistral-7B (131M)."""
+    for block in ("offload_optimizer", "offload_param"):
+        section = zero.get(block, {})
+        if section.get("device") != "nvme":
+            continue
+        if section.get("nvme_path") == AUTO:
+            nvme = recipe.train.nvme_path
+            if not nvme:
+                raise ConfigError(f"{path} offloads to NVMe: set train.nvme_path=/a/folder/on/local/nvme in {recipe_path} "
+                                  f"(or on the command line)")
+            if not os.path.isdir(nvme) or not os.access(nvme, os.W_OK):
+                raise ConfigError(f"train.nvme_path {nvme!r} is not a writable folder: create it on a local NVMe disk "
+                                  f"(DeepSpeed swaps optimizer states and parameters there)")
+            # A folder of this run's own (named after its output_dir): two jobs sharing a disk must not swap into
+            # each other's files, and the run removes it at the end (DeepSpeed leaves the swap files behind).
+            run_id = hashlib.sha1(os.path.abspath(recipe.train.output_dir).encode()).hexdigest()[:10]
+            section["nvme_path"] = os.path.join(nvme, f"zerotune-swap-{run_id}")
+        if section.get("buffer_size") == AUTO:
+            section["buffer_size"] = max(10**8, largest_param)
+    if zero.get("offload_param", {}).get("device") == "nvme" and recipe.lora.enabled:
+        # DeepSpeed 0.19.8's NVMe prefetch hands a peft base weight a second swap buffer ("param N already assigned
+        # swap buffer id"); without prefetch LoRA trains (tests/test_offload.py).
+        zero["stage3_prefetch_bucket_size"] = 0
+
+
+def nvme_swap_dirs(ds: dict[str, Any]) -> list[str]:
+    """The run's NVMe swap folders (filled by _fill_nvme), to remove when it ends."""
+    zero = ds.get("zero_optimization", {})
+    paths = {zero.get(block, {}).get("nvme_path") for block in ("offload_optimizer", "offload_param")
+             if zero.get(block, {}).get("device") == "nvme"}
+    return sorted(p for p in paths if p and os.path.basename(p).startswith("zerotune-swap-"))
 
 
 def zero_stage(ds: dict[str, Any]) -> int:

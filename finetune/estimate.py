@@ -19,13 +19,23 @@ import sys
 from typing import Any
 
 GIB = 2**30
-CONFIGS = [(0, False, False), (1, False, False), (2, False, False), (2, True, False), (3, False, False), (3, True, True)]
-# Fastest first, for zerotune's shipped JSONs. ZeRO-2 reduces bf16 gradients in buckets overlapped with backward;
-# ZeRO-1 reduces the same bytes after backward; zerotune's ZeRO-0 all-reduces fp32 gradients (autocast keeps fp32
-# weights), twice the bytes; ZeRO-3 adds weight all-gathers. Measured with `zerotune compare`, Mistral-7B on 2xH200,
-# tok/s/GPU full | LoRA: ZeRO-2 7,536 | 8,223, ZeRO-1 7,543 | 8,266, ZeRO-0 6,461 | 6,422, ZeRO-3 6,199 | 2,996.
-# Offloading runs Adam on the CPU over the whole partition every step: seconds for a 7B model.
-SPEED_ORDER = [(2, False, False), (1, False, False), (0, False, False), (3, False, False), (2, True, False), (3, True, True)]
+# The shipped DeepSpeed JSONs by (stage, offload optimizer, offload parameters), fastest first. ZeRO-2 reduces bf16
+# gradients in buckets overlapped with backward; ZeRO-1 reduces the same bytes after backward; zerotune's ZeRO-0
+# all-reduces fp32 gradients (autocast keeps fp32 weights), twice the bytes; ZeRO-3 adds weight all-gathers. Measured
+# with `zerotune compare`, Mistral-7B on 2xH200, tok/s/GPU full | LoRA: ZeRO-2 7,536 | 8,223, ZeRO-1 7,543 | 8,266,
+# ZeRO-0 6,461 | 6,422, ZeRO-3 6,199 | 2,996. Offloading runs Adam on the CPU over the whole partition every step
+# (seconds for a 7B model); offloading the parameters too adds their CPU->GPU copies to every forward and backward.
+# zero3_nvme.json is not here: it needs a disk (train.nvme_path) and is the slowest; estimate it with --deepspeed.
+SHIPPED = {
+    (2, False, False): "zero2.json",
+    (1, False, False): "zero1.json",
+    (0, False, False): "zero0.json",
+    (3, False, False): "zero3.json",
+    (2, True, False): "zero2_offload.json",
+    (3, True, False): "zero3_offload_optimizer.json",
+    (3, True, True): "zero3_offload.json",
+}
+SPEED_ORDER = list(SHIPPED)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 FIT_FRACTION = 0.9  # the rest of the GPU goes to the CUDA context, NCCL buffers and allocator fragmentation
 
@@ -261,11 +271,19 @@ def estimate_run(model_config: dict[str, Any], recipe, ds: dict[str, Any], world
     # Activations live in backward, the step's gradient copies after it: the peak is the larger of the two moments.
     backward = states["total"] + acts["total"] + buffers
     at_step = states["params"] + states["optimizer"] + buffers + step
-    return {"config": f"ZeRO-{stage}" + (" + offload" if offload_optimizer else ""), "stage": stage,
+    return {"config": config_label(stage, offload_optimizer, offload_params, zero), "stage": stage,
             "offload_optimizer": offload_optimizer, "offload_params": offload_params,
             "params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
             "activations": acts["total"], "buffers": buffers, "step": step, "total": max(backward, at_step),
             "cpu": states["cpu"], "parameters": states["parameters"], "trained_parameters": states["trained_parameters"]}
+
+
+def config_label(stage: int, offload_optimizer: bool, offload_params: bool, zero: dict[str, Any]) -> str:
+    """"ZeRO-3 + offload opt+params" and the like; NVMe instead of offload when that is where states go."""
+    if not offload_optimizer:
+        return f"ZeRO-{stage}"
+    nvme = zero.get("offload_optimizer", {}).get("device") == "nvme"
+    return f"ZeRO-{stage} + {'NVMe' if nvme else 'offload'} opt" + ("+params" if offload_params else "")
 
 
 def step_gradients(states: dict[str, int], stage: int, world: int, trained_bytes: int, offload: bool,
@@ -286,15 +304,17 @@ def step_gradients(states: dict[str, int], stage: int, world: int, trained_bytes
     return states["grads"]
 
 
+def shipped_dir() -> str:
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ds_configs")
+
+
 def config_files(deepspeed: str) -> list[str]:
-    """The six shipped configurations (zero0..3, zero2/3_offload) from the folder of `deepspeed`, else ds_configs/,
+    """The shipped configurations (SHIPPED, in ZeRO-stage order) from the folder of `deepspeed`, else ds_configs/,
     plus `deepspeed` itself when it is none of them."""
-    shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ds_configs")
     files = []
-    for stage, offload, _ in CONFIGS:
-        name = f"zero{stage}{'_offload' if offload else ''}.json"
-        local = os.path.join(os.path.dirname(deepspeed), name)
-        files.append(local if os.path.isfile(local) else os.path.join(shipped, name))
+    for key in sorted(SHIPPED):
+        local = os.path.join(os.path.dirname(deepspeed), SHIPPED[key])
+        files.append(local if os.path.isfile(local) else os.path.join(shipped_dir(), SHIPPED[key]))
     same = [f for f in files if os.path.abspath(f) == os.path.abspath(deepspeed)]
     return files if same else files + [deepspeed]
 
@@ -304,7 +324,7 @@ def estimate_table(model_config: dict[str, Any], recipe, configs: dict[str, dict
     """One row per resolved DeepSpeed config ({path: config}), with whether it fits `gpu_memory` bytes per GPU and
     `cpu_memory` bytes per node."""
     rows = []
-    shipped = {f"zero{stage}{'_offload' if offload else ''}.json" for stage, offload, _ in CONFIGS}
+    shipped = set(SHIPPED.values())
     for path, ds in configs.items():
         row = dict(estimate_run(model_config, recipe, ds, gpus * nodes), ds_config=_display(path))
         if os.path.basename(path) not in shipped:
@@ -389,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load_recipe(args.config, args.overrides)
         model_config = check_model_dir(recipe.model)
         configs = {path: resolve_ds_config(path, recipe, gpus * args.nodes, model_config["hidden_size"],
-                                           recipe_path=args.config or "recipes/mistral7b_lora.yaml")
+                                           recipe_path=args.config or "recipes/mistral7b_lora.yaml",
+                                           vocab_size=model_config["vocab_size"])
                    for path in config_files(args.deepspeed)}
         rows = estimate_table(model_config, recipe, configs, gpus, args.nodes, gpu_memory, cpu_memory)
     except (ConfigError, ValueError) as e:

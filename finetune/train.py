@@ -8,6 +8,7 @@ No Trainer class: the DeepSpeed engine owns accumulation, clipping, precision, Z
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -30,11 +31,14 @@ class Run:
     ds: dict[str, Any]
     model_config: dict[str, Any]
     resume_from: str | None = None
+    plan: Any = None
+    """The memory plan (finetune.budget.MemoryPlan) when train.gpu_memory_gib or --deepspeed auto chose the settings."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="finetune/main.py", description="Fine-tune Mistral with DeepSpeed ZeRO.")
-    p.add_argument("--deepspeed", metavar="PATH", default="ds_configs/zero3.json", help="DeepSpeed JSON (ds_configs/)")
+    p.add_argument("--deepspeed", metavar="PATH", default="ds_configs/zero3.json",
+                   help="DeepSpeed JSON (ds_configs/), or `auto`: the fastest that fits train.gpu_memory_gib (or this GPU)")
     p.add_argument("--config", metavar="PATH", default=None, help="YAML recipe (default recipes/mistral7b_lora.yaml)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
@@ -51,8 +55,11 @@ def prepare(config: str | None, deepspeed_json: str, overrides: list[str]) -> Ru
     check_backends(recipe.train.log_to)
     model_config = check_model_dir(recipe.model)
     _check_tokenizer_and_data(recipe)
+    recipe_path = config or "recipes/mistral7b_lora.yaml"
+    recipe, deepspeed_json, plan = _fit_budget(recipe, model_config, deepspeed_json, recipe_path)
     ds = resolve_ds_config(deepspeed_json, recipe, dist.world_size(), model_config["hidden_size"],
-                           recipe_path=config or "recipes/mistral7b_lora.yaml")
+                           recipe_path=recipe_path, vocab_size=model_config["vocab_size"])
+    _check_host_memory(recipe, model_config, ds)
     out = recipe.train.output_dir
     # Other ranks may be probing the folder right now (check_output_dir's .write-test-* files): not content.
     content = [f for f in os.listdir(out) if not f.startswith(checkpoint.WRITE_PROBE)] if os.path.isdir(out) else []
@@ -70,7 +77,58 @@ def prepare(config: str | None, deepspeed_json: str, overrides: list[str]) -> Ru
     lora_fraction = 0.01 if recipe.lora.enabled else None
     needed = checkpoint.estimate_checkpoint_bytes(model_config, lora_fraction) if recipe.train.save_every > 0 else 0
     checkpoint.check_output_dir(out, needed)
-    return Run(recipe, ds, model_config, resume_from)
+    return Run(recipe, ds, model_config, resume_from, plan)
+
+
+def _fit_budget(recipe: Recipe, model_config: dict[str, Any], deepspeed_json: str, recipe_path: str):
+    """With train.gpu_memory_gib (or --deepspeed auto), the recipe and DeepSpeed file the memory plan chose."""
+    from finetune import budget, dist
+
+    gib = recipe.train.gpu_memory_gib
+    if deepspeed_json == "auto" and gib is None:
+        gib = budget.local_gpu_gib()
+        if gib is None:
+            raise ConfigError("--deepspeed auto picks the ZeRO configuration that fits a GPU memory budget, and there "
+                              "is no GPU here to read it from: set train.gpu_memory_gib (GiB per GPU), or pass "
+                              "--deepspeed ds_configs/zero3.json")
+    if gib is None:
+        return recipe, deepspeed_json, None
+    world = dist.world_size()
+    try:
+        plan = budget.plan_memory(recipe, model_config, deepspeed_json, world, gib, _cpu_memory(recipe),
+                                  budget.ranks_per_node(world), recipe_path)
+    except ValueError as e:  # the estimator does not know the model or LoRA targets
+        raise ConfigError(f"train.gpu_memory_gib: {e}") from None
+    dist.print0(plan.summary())
+    chosen = budget.with_memory_choice(recipe, plan.activation_checkpointing, plan.micro_batch_size, plan.grad_accum)
+    return chosen, plan.deepspeed, plan
+
+
+def _check_host_memory(recipe: Recipe, model_config: dict[str, Any], ds: dict[str, Any]) -> None:
+    """Refuse an offloading run whose states cannot fit the node's RAM; warn when they exceed what is free now."""
+    from finetune import budget, dist
+    from finetune.ds_config import offloads_optimizer
+    from finetune.estimate import estimate_run
+
+    if not offloads_optimizer(ds):
+        return
+    try:
+        row = estimate_run(model_config, recipe, ds, dist.world_size())
+    except ValueError:  # LoRA targets the estimator does not model: nothing to check against
+        return
+    warning = budget.check_host_memory(row, budget.ranks_per_node(dist.world_size()), _cpu_memory(recipe),
+                                       budget.host_memory()[1])
+    if warning:
+        dist.print0(warning)
+
+
+def _cpu_memory(recipe: Recipe) -> float | None:
+    """Bytes of CPU memory per node for offloading: train.cpu_memory_gib, else what the node reports."""
+    from finetune import budget
+    from finetune.estimate import GIB
+
+    gib = recipe.train.cpu_memory_gib
+    return gib * GIB if gib else budget.host_memory()[0]
 
 
 def _check_tokenizer_and_data(recipe: Recipe) -> None:
@@ -122,6 +180,11 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
     r, t = run.recipe, run.recipe.train
     dist.init()
     dist.barrier()  # every rank has checked the output dir (prepare) before rank 0 writes into it
+    if t.gpu_memory_gib:
+        from finetune.budget import enforce
+
+        if enforce(t.gpu_memory_gib):
+            dist.print0(f"GPU memory capped at {t.gpu_memory_gib:g} GiB per GPU (train.gpu_memory_gib)")
     world, rank = dist.world_size(), dist.rank()
     torch.manual_seed(t.seed + rank)
     os.makedirs(t.output_dir, exist_ok=True)
@@ -130,6 +193,9 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
             yaml.safe_dump(recipe_to_dict(r), f, sort_keys=False)
         with open(os.path.join(t.output_dir, "ds_config.json"), "w") as f:
             json.dump(run.ds, f, indent=2)
+        if run.plan is not None:
+            with open(os.path.join(t.output_dir, "memory_plan.json"), "w") as f:
+                json.dump(dataclasses.asdict(run.plan), f, indent=2)
         _truncate_metrics(os.path.join(t.output_dir, "metrics.jsonl"), keep_until=_resume_step(run))
 
     tokenizer = load_tokenizer(r.model.tokenizer or r.model.path)
@@ -244,6 +310,7 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
         on_end(engine)
     dist.barrier()
     _release(engine, keepalive)
+    _remove_swap(run.ds)
     return records
 
 
@@ -300,6 +367,23 @@ def _release(engine, keepalive) -> None:
         engine.destroy()
     del keepalive
     unset_hf_deepspeed_config()
+
+
+def _remove_swap(ds: dict[str, Any]) -> None:
+    """Delete this run's NVMe swap files (DeepSpeed leaves them: the size of the optimizer states, ~100 GB for a
+    full 7B fine-tune), once every rank of the node is done with them."""
+    import shutil
+
+    from finetune import dist
+    from finetune.ds_config import nvme_swap_dirs
+
+    dirs = nvme_swap_dirs(ds)
+    if not dirs:
+        return
+    dist.barrier()
+    if dist.local_rank() == 0:
+        for path in dirs:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def evaluate(engine, data, recipe: Recipe, world: int, rank: int, pad_id: int, device) -> float:

@@ -42,11 +42,27 @@ def lora_check(model_dir: str, result: dict):
     return check
 
 
+def swap_files(ds: dict, result: dict):
+    """After training, before the run ends: the bytes in this run's NVMe swap folders (removed at the end)."""
+    from finetune.ds_config import nvme_swap_dirs
+
+    def check(engine):
+        dirs = nvme_swap_dirs(ds)
+        result["swap_dirs"] = dirs
+        result["swap_bytes"] = sum(os.path.getsize(os.path.join(d, f)) for p in dirs for d, _, fs in os.walk(p) for f in fs)
+
+    return check
+
+
 def one_case(case: dict) -> dict:
     run = prepare(case["config"], case["deepspeed"], case["overrides"])
-    result = {}
-    on_end = lora_check(run.recipe.model.path, result) if run.recipe.lora.enabled else None
-    records = train(run, on_end=on_end)
+    result = {"zero_optimization": run.ds["zero_optimization"], "micro_batch_size": run.recipe.train.micro_batch_size,
+              "grad_accum": run.recipe.train.grad_accum,
+              "activation_checkpointing": run.recipe.model.activation_checkpointing}
+    checks = [swap_files(run.ds, result)]
+    if run.recipe.lora.enabled:
+        checks.append(lora_check(run.recipe.model.path, result))
+    records = train(run, on_end=lambda engine: [check(engine) for check in checks])
     steps = [r for r in records if "loss" in r]
     result.update(loss=[r["loss"] for r in steps], target_tokens=[r["target_tokens"] for r in steps],
                   grad_norm=[r["grad_norm"] for r in steps],

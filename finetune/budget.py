@@ -1,0 +1,187 @@
+"""Fit a run into a GPU memory budget: activation checkpointing, micro-batch and (with `--deepspeed auto`) the ZeRO
+configuration, chosen from the memory estimator before any model exists; and the host-memory check for offloading.
+
+    deepspeed --num_gpus 2 finetune/main.py --deepspeed auto --config recipes/mistral7b_full.yaml train.gpu_memory_gib=24
+    memory plan (24 GiB per GPU): ds_configs/zero3_offload_optimizer.json, checkpointing none, micro-batch 1 x 4 ...
+
+The rules, fastest first:
+1. configurations in estimate.SPEED_ORDER (with `--deepspeed PATH`, only that one);
+2. within one, the least recomputation that fits (none, then selective, then full): recomputing costs about a third
+   of a step's compute, more than a smaller micro-batch of 2,048-token rows loses on a 7B model;
+3. then the largest micro-batch that divides the recipe's rows per GPU per step (micro_batch_size x grad_accum), so
+   the batch per step, the data order and the loss curve stay the recipe's; grad_accum takes the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from finetune.config import ConfigError, Recipe
+from finetune.ds_config import resolve_ds_config
+from finetune.estimate import FIT_FRACTION, GIB, SPEED_ORDER, SHIPPED, estimate_run, shipped_dir
+
+CHECKPOINTING = ("none", "selective", "full")
+
+
+@dataclass
+class MemoryPlan:
+    deepspeed: str
+    activation_checkpointing: str
+    micro_batch_size: int
+    grad_accum: int
+    estimated_gib: float
+    budget_gib: float
+    cpu_gib_per_node: float
+    passed_over: list[str] = field(default_factory=list)
+    """Faster choices that did not fit, with their estimated peak."""
+
+    def summary(self) -> str:
+        lines = [f"memory plan ({self.budget_gib:g} GiB per GPU, fits at <= {FIT_FRACTION:.0%}): {self.deepspeed}, "
+                 f"activation checkpointing {self.activation_checkpointing}, micro-batch {self.micro_batch_size} x "
+                 f"grad_accum {self.grad_accum}; estimated peak {self.estimated_gib:.2f} GiB per GPU"
+                 + (f", {self.cpu_gib_per_node:.0f} GiB CPU memory per node" if self.cpu_gib_per_node else "")]
+        lines += [f"  passed over: {why}" for why in self.passed_over]
+        return "\n".join(lines)
+
+
+def candidate_configs(deepspeed: str) -> list[str]:
+    """`auto`: every shipped configuration, fastest first; else the one file."""
+    if deepspeed != "auto":
+        return [deepspeed]
+    return [os.path.join(shipped_dir(), SHIPPED[key]) for key in SPEED_ORDER]
+
+
+def plan_memory(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, world: int, budget_gib: float,
+                cpu_bytes_per_node: float | None, ranks_per_node: int, recipe_path: str = "the recipe") -> MemoryPlan:
+    """The fastest (configuration, checkpointing, micro-batch) whose estimated peak fits FIT_FRACTION of the budget and
+    whose offloaded states fit the node's memory; a ConfigError naming the smallest option when nothing fits."""
+    rows_per_step = recipe.train.micro_batch_size * recipe.train.grad_accum
+    micro_batches = [m for m in range(rows_per_step, 0, -1) if rows_per_step % m == 0]
+    limit = FIT_FRACTION * budget_gib * GIB
+    passed_over, smallest = [], None
+    for path in candidate_configs(deepspeed):
+        name = _display(path)
+        options = [(c, m) for c in CHECKPOINTING for m in micro_batches]  # in order of preference
+        for checkpointing, mbs in options:
+            trial = with_memory_choice(recipe, checkpointing, mbs, rows_per_step // mbs)
+            ds = resolve_ds_config(path, trial, world, model_config["hidden_size"], recipe_path,
+                                   vocab_size=model_config["vocab_size"])
+            row = estimate_run(model_config, trial, ds, world)
+            cpu_node = row["cpu"] * ranks_per_node
+            if cpu_bytes_per_node is not None and cpu_node > cpu_bytes_per_node:
+                # Offloaded states do not depend on checkpointing or micro-batch: no option of this file fits.
+                passed_over.append(f"{name}: offloads {cpu_node / GIB:.0f} GiB per node, the node has "
+                                   f"{cpu_bytes_per_node / GIB:.0f} GiB")
+                break
+            if smallest is None or row["total"] < smallest[0]:
+                smallest = (row["total"], name, checkpointing, mbs)
+            if row["total"] <= limit:
+                return MemoryPlan(name, checkpointing, mbs, rows_per_step // mbs, row["total"] / GIB, budget_gib,
+                                  cpu_node / GIB, passed_over)
+        else:
+            passed_over.append(f"{name}: {row['total'] / GIB:.2f} GiB at its smallest (checkpointing full, micro-batch 1)")
+    advice = ("Lower data.max_seq_len, use LoRA, add GPUs, or offload to NVMe (ds_configs/zero3_nvme.json with "
+              "train.nvme_path)" + ("" if deepspeed == "auto" else ", or pass --deepspeed auto to let zerotune choose"))
+    if smallest is None:
+        raise ConfigError(f"train.gpu_memory_gib={budget_gib:g}: {'; '.join(passed_over)}. {advice}")
+    total, name, checkpointing, mbs = smallest
+    host = [why for why in passed_over if " offloads " in why]
+    raise ConfigError(
+        f"train.gpu_memory_gib={budget_gib:g}: nothing fits {FIT_FRACTION:.0%} of it; the smallest is {name} with "
+        f"checkpointing {checkpointing} and micro-batch {mbs} at {total / GIB:.2f} GiB per GPU"
+        + (f" (CPU memory rules out {'; '.join(host)})" if host else "") + f". {advice}")
+
+
+def with_memory_choice(recipe: Recipe, checkpointing: str, micro_batch_size: int, grad_accum: int) -> Recipe:
+    return dataclasses.replace(
+        recipe,
+        model=dataclasses.replace(recipe.model, activation_checkpointing=checkpointing),
+        train=dataclasses.replace(recipe.train, micro_batch_size=micro_batch_size, grad_accum=grad_accum),
+    )
+
+
+def check_host_memory(row: dict[str, Any], ranks_per_node: int, total: float | None,
+                      available: float | None) -> str | None:
+    """Offloaded states live in the node's RAM (pinned): refuse when they exceed its `total` bytes, warn (the returned
+    text) when they exceed what is `available` now. A full 7B fine-tune on 2 GPUs offloads ~108 GiB per node (fp32
+    master, Adam moments, fp32 gradients)."""
+    needed = row["cpu"] * ranks_per_node
+    if needed == 0 or total is None:
+        return None
+    if needed > total:
+        raise ConfigError(
+            f"{row['config']} offloads {needed / GIB:.0f} GiB per node to CPU memory ({ranks_per_node} rank(s) x "
+            f"{row['cpu'] / GIB:.1f} GiB) but this node has {total / GIB:.0f} GiB: use more nodes or GPUs (each holds a "
+            f"smaller share), LoRA, or ds_configs/zero3_nvme.json with train.nvme_path. If the node really has more "
+            f"(a VM that grows its memory on demand), set train.cpu_memory_gib")
+    if available is not None and needed > available:
+        return (f"warning: {row['config']} offloads {needed / GIB:.0f} GiB per node to CPU memory and only "
+                f"{available / GIB:.0f} GiB is available now (of {total / GIB:.0f}): other processes may have to go, "
+                f"or the run will swap or be killed")
+    return None
+
+
+def host_memory(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> tuple[float | None, float | None]:
+    """(total, available) bytes of CPU memory for this job: MemTotal and MemAvailable, each capped by the cgroup's
+    limit (a container or a Slurm job sees the node's MemTotal but may use only its limit); None where unreadable."""
+    values = {}
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                values[key] = float(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None, None
+    total, available = values.get("MemTotal"), values.get("MemAvailable")
+    for limit_file in ("memory.max", "memory/memory.limit_in_bytes"):  # cgroup v2, v1
+        try:
+            with open(os.path.join(cgroup, limit_file)) as f:
+                limit = f.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit() and total is not None and int(limit) < total:
+            total = float(limit)
+            available = min(available, total) if available is not None else None
+    return total, available
+
+
+def ranks_per_node(world: int) -> int:
+    """Ranks sharing this node's memory: the launcher's LOCAL_WORLD_SIZE / LOCAL_SIZE, else every rank."""
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return world
+
+
+def local_gpu_gib() -> float | None:
+    """Memory of this rank's GPU in GiB, or None on a machine without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    return torch.cuda.get_device_properties(index).total_memory / GIB
+
+
+def enforce(budget_gib: float) -> float | None:
+    """Cap this process's CUDA caching allocator at the budget, so a 24 GB card can be simulated on an H200. Returns
+    the fraction set, or None (no CUDA, or the budget is the whole GPU or more)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    device = torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = budget_gib * GIB / total
+    if fraction >= 1.0:
+        return None
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
+
+
+def _display(path: str) -> str:
+    rel = os.path.relpath(os.path.abspath(path))
+    return os.path.abspath(path) if rel.startswith("..") else rel

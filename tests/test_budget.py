@@ -1,0 +1,154 @@
+"""The memory plan (train.gpu_memory_gib, --deepspeed auto) against the estimator it is built on, for Mistral-7B's shape:
+the choice fits, every faster option does not, the batch per step is kept; host memory refuses and warns; and the
+messages when nothing fits or no budget can be read."""
+
+import json
+import os
+
+import pytest
+
+from finetune import budget
+from finetune.config import ConfigError, load_recipe
+from finetune.ds_config import resolve_ds_config
+from finetune.estimate import FIT_FRACTION, GIB, SHIPPED, SPEED_ORDER, estimate_run
+from tests.helpers import ROOT, TINY_RECIPE
+
+MISTRAL = json.load(open(os.path.join(ROOT, "recipes", "mistral7b_shape", "config.json")))
+RECIPES = {"lora": os.path.join(ROOT, "recipes", "mistral7b_lora.yaml"),
+           "full": os.path.join(ROOT, "recipes", "mistral7b_full.yaml")}
+NODE_RAM = 256 * GIB
+
+
+def _recipe(kind: str, *extra: str):
+    return load_recipe(RECIPES[kind], ["model.path=recipes/mistral7b_shape", "train.micro_batch_size=4",
+                                       "train.grad_accum=2", *extra])
+
+
+def _peak(recipe, path: str, world: int, checkpointing: str, mbs: int) -> tuple[float, float]:
+    trial = budget.with_memory_choice(recipe, checkpointing, mbs, 8 // mbs)
+    ds = resolve_ds_config(path, trial, world, MISTRAL["hidden_size"], vocab_size=MISTRAL["vocab_size"])
+    row = estimate_run(MISTRAL, trial, ds, world)
+    return row["total"], row["cpu"] * world
+
+
+def _options_in_preference_order():
+    """Written out independently of budget.plan_memory: configuration (fastest first), then recomputation, then size."""
+    for key in SPEED_ORDER:
+        for checkpointing in ("none", "selective", "full"):
+            for mbs in (8, 4, 2, 1):
+                yield os.path.join(ROOT, "ds_configs", SHIPPED[key]), checkpointing, mbs
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+@pytest.mark.parametrize("world", [1, 2, 8])
+@pytest.mark.parametrize("gib", [24, 40, 80, 141])
+def test_plan_is_the_first_option_that_fits(kind, world, gib):
+    recipe = _recipe(kind)
+    plan = budget.plan_memory(recipe, MISTRAL, "auto", world, gib, NODE_RAM, world)
+    assert plan.micro_batch_size * plan.grad_accum == 8  # the batch per step is the recipe's
+    for path, checkpointing, mbs in _options_in_preference_order():
+        peak, cpu = _peak(recipe, path, world, checkpointing, mbs)
+        chosen = (os.path.basename(path), checkpointing, mbs) == \
+            (os.path.basename(plan.deepspeed), plan.activation_checkpointing, plan.micro_batch_size)
+        if chosen:
+            assert peak <= FIT_FRACTION * gib * GIB and cpu <= NODE_RAM
+            assert plan.estimated_gib == pytest.approx(peak / GIB)
+            break
+        assert peak > FIT_FRACTION * gib * GIB or cpu > NODE_RAM, (path, checkpointing, mbs)
+    else:
+        pytest.fail(f"{plan} is not among the options")
+
+
+def test_budgets_lead_to_expected_7b_settings():
+    """The figures the README's "what fits where" table shows, 2 GPUs: a full 7B fine-tune needs the optimizer on the
+    CPU below 80 GiB, and an H200 trains LoRA without recomputation."""
+    full_24 = budget.plan_memory(_recipe("full"), MISTRAL, "auto", 2, 24, NODE_RAM, 2)
+    assert os.path.basename(full_24.deepspeed) in ("zero2_offload.json", "zero3_offload_optimizer.json", "zero3_offload.json")
+    assert full_24.cpu_gib_per_node > 80  # fp32 master, Adam moments and fp32 gradients of 7.2B parameters
+    lora_141 = budget.plan_memory(_recipe("lora"), MISTRAL, "auto", 2, 141, NODE_RAM, 2)
+    assert (os.path.basename(lora_141.deepspeed), lora_141.activation_checkpointing) == ("zero2.json", "none")
+    # less host memory than the offloaded states: offloading is ruled out, with the reason
+    with pytest.raises(ConfigError) as e:
+        budget.plan_memory(_recipe("full"), MISTRAL, "auto", 2, 24, 64 * GIB, 2)
+    assert "(CPU memory rules out ds_configs/zero2_offload.json: offloads 108 GiB per node, the node has 64 GiB;" in str(e.value)
+
+
+def test_explicit_deepspeed_file_only_chooses_checkpointing_and_micro_batch():
+    plan = budget.plan_memory(_recipe("lora"), MISTRAL, "ds_configs/zero3.json", 2, 24, NODE_RAM, 2)
+    assert plan.deepspeed == "ds_configs/zero3.json"
+    with pytest.raises(ConfigError) as e:
+        budget.plan_memory(_recipe("full"), MISTRAL, "ds_configs/zero2.json", 2, 24, NODE_RAM, 2)
+    message = str(e.value)
+    assert "train.gpu_memory_gib=24: nothing fits 90% of it; the smallest is ds_configs/zero2.json" in message
+    assert "--deepspeed auto" in message
+
+
+def test_nothing_fits_names_the_smallest_and_what_to_change():
+    with pytest.raises(ConfigError) as e:
+        budget.plan_memory(_recipe("full"), MISTRAL, "auto", 1, 8, 16 * GIB, 1)
+    message = str(e.value)
+    assert "train.gpu_memory_gib=8: nothing fits" in message and "the smallest is ds_configs/" in message
+    assert "use LoRA, add GPUs" in message and "zero3_nvme.json" in message
+
+
+def test_host_memory_refuses_and_warns(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       100000000 kB\nMemFree:  1 kB\nMemAvailable:    50000000 kB\n")
+    row = {"config": "ZeRO-3 + offload opt", "cpu": 30 * GIB}
+    no_cgroup = str(tmp_path / "no-cgroup")
+    assert budget.host_memory(str(meminfo), no_cgroup) == (100000000 * 1024, 50000000 * 1024)
+    (tmp_path / "cgroup").mkdir()
+    (tmp_path / "cgroup" / "memory.max").write_text(f"{40 * GIB}\n")  # a container's limit caps both
+    assert budget.host_memory(str(meminfo), str(tmp_path / "cgroup")) == (40 * GIB, 40 * GIB)
+    (tmp_path / "cgroup" / "memory.max").write_text("max\n")
+    assert budget.host_memory(str(meminfo), str(tmp_path / "cgroup"))[0] == 100000000 * 1024
+
+    total, available = 95 * GIB, 48 * GIB
+    assert budget.check_host_memory(row, 1, total, available) is None
+    warning = budget.check_host_memory(row, 2, total, available)
+    assert warning.startswith("warning: ZeRO-3 + offload opt offloads 60 GiB per node") and "only 48 GiB is available" in warning
+    with pytest.raises(ConfigError) as e:
+        budget.check_host_memory(row, 4, total, available)
+    assert "offloads 120 GiB per node to CPU memory (4 rank(s) x 30.0 GiB) but this node has 95 GiB" in str(e.value)
+    assert "set train.cpu_memory_gib" in str(e.value)
+    assert budget.check_host_memory(row, 4, 256 * GIB, available).startswith("warning:")  # train.cpu_memory_gib=256
+    assert budget.check_host_memory({"config": "ZeRO-2", "cpu": 0}, 8, total, available) is None
+
+
+def test_ranks_per_node_from_the_launcher(monkeypatch):
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    assert budget.ranks_per_node(16) == 16
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "8")
+    assert budget.ranks_per_node(16) == 8
+
+
+def test_auto_without_budget_or_gpu_says_what_to_set(tmp_path):
+    from finetune.train import prepare
+
+    with pytest.raises(ConfigError) as e:
+        prepare(TINY_RECIPE, "auto", [f"train.output_dir={tmp_path / 'run'}"])
+    assert "set train.gpu_memory_gib (GiB per GPU)" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_recipe(TINY_RECIPE, ["train.gpu_memory_gib=0"])
+    assert "train.gpu_memory_gib must be > 0" in str(e.value)
+
+
+def test_nvme_path_is_required_and_per_run(tmp_path):
+    recipe = load_recipe(TINY_RECIPE, [f"train.output_dir={tmp_path / 'run'}"])
+    nvme = os.path.join(ROOT, "ds_configs", "zero3_nvme.json")
+    with pytest.raises(ConfigError) as e:
+        resolve_ds_config(nvme, recipe, 2, 128)
+    assert "set train.nvme_path=" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        resolve_ds_config(nvme, load_recipe(TINY_RECIPE, [f"train.nvme_path={tmp_path / 'missing'}"]), 2, 128)
+    assert "is not a writable folder" in str(e.value)
+    paths = set()
+    for out in ("a", "b"):
+        r = load_recipe(TINY_RECIPE, [f"train.nvme_path={tmp_path}", f"train.output_dir={tmp_path / out}"])
+        ds = resolve_ds_config(nvme, r, 2, 4096, vocab_size=32000)
+        zero = ds["zero_optimization"]
+        assert zero["offload_param"]["buffer_size"] == 4096 * 32000  # the embedding must fit a swap buffer
+        assert zero["offload_param"]["nvme_path"] == zero["offload_optimizer"]["nvme_path"]
+        paths.add(zero["offload_param"]["nvme_path"])
+    assert len(paths) == 2 and all(os.path.dirname(p) == str(tmp_path) for p in paths)
