@@ -74,7 +74,29 @@ def test_budgets_lead_to_expected_7b_settings():
     # less host memory than the offloaded states: offloading is ruled out, with the reason
     with pytest.raises(ConfigError) as e:
         budget.plan_memory(_recipe("full"), MISTRAL, "auto", 2, 24, 64 * GIB, 2)
-    assert "(CPU memory rules out ds_configs/zero2_offload.json: offloads 108 GiB per node, the node has 64 GiB;" in str(e.value)
+    assert "(CPU memory rules out ds_configs/zero2_offload.json: offloads 135 GiB per node, the node has 64 GiB;" in str(e.value)
+
+
+def test_what_ran_on_one_h200():
+    """The plans of docs/benchmarks/budget_1xh200.md (the recipes' own 4 rows per step): LoRA ran as planned within its
+    estimate; a full fine-tune first ran out of a 24 GiB cap at the engine's start (ZeRO-2 clones the 16-bit weights on
+    the GPU) and was killed on the 125 GiB host (the fp32 master is built unpinned, then pinned). Both moments are
+    estimated now, so on one GPU with that host nothing below 141 GiB fits, and the message says why."""
+    rows4 = lambda kind: load_recipe(RECIPES[kind], ["model.path=recipes/mistral7b_shape"])
+    chosen = {gib: budget.plan_memory(rows4("lora"), MISTRAL, "auto", 1, gib, 125 * GIB, 1) for gib in (24, 40, 80)}
+    assert {gib: (p.deepspeed, p.activation_checkpointing, p.micro_batch_size) for gib, p in chosen.items()} == {
+        24: ("ds_configs/zero2.json", "full", 4), 40: ("ds_configs/zero2.json", "selective", 2),
+        80: ("ds_configs/zero2.json", "none", 2)}
+    measured_peak = {24: 19.6, 40: 32.1, 80: 47.1}  # GiB allocated, from the runs
+    for gib, plan in chosen.items():
+        assert plan.estimated_gib == pytest.approx(measured_peak[gib], rel=0.10)
+    for gib in (24, 40, 80):
+        with pytest.raises(ConfigError) as e:
+            budget.plan_memory(rows4("full"), MISTRAL, "auto", 1, gib, 125 * GIB, 1)
+        assert "CPU memory rules out ds_configs/zero2_offload.json: offloads 135 GiB per node, the node has 125 GiB" in str(e.value)
+    ds = resolve_ds_config(os.path.join(ROOT, "ds_configs", "zero2_offload.json"), rows4("full"), 1, 4096)
+    row = estimate_run(MISTRAL, rows4("full"), ds, 1)
+    assert row["init"] / GIB == pytest.approx(2 * 13.49, rel=0.01)  # the weights and their clone: 13.49 + 13.49 GiB
 
 
 def test_explicit_deepspeed_file_only_chooses_checkpointing_and_micro_batch():

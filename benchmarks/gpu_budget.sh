@@ -1,0 +1,15 @@
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_EXTENSIONS_DIR=/tmp/tex TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1 || exit
+[ -f /tmp/syn.jsonl ] || python benchmarks/synthetic_data.py /tmp/syn.jsonl --docs 400 --words 2200 >/dev/null
+[ -f /tmp/init/config.json ] || python -c "
+import torch; from transformers import AutoConfig, AutoModelForCausalLM
+torch.manual_seed(0)
+with torch.device('cuda'): m=AutoModelForCausalLM.from_config(AutoConfig.from_pretrained('recipes/mistral7b_shape'), dtype=torch.bfloat16)
+m.save_pretrained('/tmp/init')" 2>&1 | tail -1
+C="model.path=/tmp/init model.tokenizer=.gpu/tokenizer data.path=/tmp/syn.jsonl data.format=text data.overlong=truncate optim.warmup_steps=2 train.cpu_memory_gib=120"
+one() { # kind budget
+  date; bash launch/compare.sh --config recipes/mistral7b_$1.yaml --budgets $2 --steps 10 --skip-steps 2 --gpus 1 --out /tmp/r/$1$2 $C > /tmp/r/$1$2.txt 2>&1
+  (cd /tmp/r && tar czf $OUT/$1$2.tgz $1$2.txt $1$2/summary.* $1$2/logs $1$2/*/metrics.jsonl $1$2/*/memory_plan.json 2>/dev/null)
+  grep -h "memory plan\|step 10/10\|Error" /tmp/r/$1$2/logs/*.log | grep -v "^\[" | tail -3; free -g | sed -n 2p
+}
+mkdir -p /tmp/r
+for kb in "$@"; do one ${kb%:*} ${kb#*:}; done
