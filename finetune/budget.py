@@ -8,10 +8,13 @@ The rules, fastest first:
 1. configurations in estimate.SPEED_ORDER (with `--deepspeed PATH`, only that one);
 2. micro-batches divide the recipe's rows per GPU per step (micro_batch_size x grad_accum), so the batch per step, the
    data order and the loss curve stay the recipe's; grad_accum takes the rest;
-3. within a configuration: the least recomputation (none, selective, full) at a micro-batch of 2 or more, the largest
+3. ZeRO-0/1/2 on the GPU: the least recomputation (none, selective, full) at a micro-batch of 2 or more, the largest
    first; micro-batch 1 only when nothing larger fits. Measured on one H200 (Mistral-7B LoRA, ZeRO-2, 2,048-token
-   rows): no recomputation at micro-batch 1 ran 6.2K tok/s, at micro-batch 2 10.8K, full recomputation at 4 8.2K;
-   recomputing costs about a third of a step, micro-batch 1 more than that.
+   rows): no recomputation at micro-batch 1 ran 7.1K tok/s/GPU, at micro-batch 2 10.7K, full recomputation at 4 7.7K.
+4. ZeRO-3 and offloading pay per micro-batch (weight gathers; the CPU optimizer step is fixed per step while the GPU
+   work shrinks): the largest micro-batch first, then the least recomputation. Measured on 2xH200, full fine-tune:
+   ZeRO-3 with selective recomputation at micro-batch 2 ran 3.3K tok/s/GPU, with full recomputation at 4 6.2K;
+   ZeRO-2 + offload 1.9K at (selective, 2), 2.3K at (full, 4).
 """
 
 from __future__ import annotations
@@ -66,9 +69,7 @@ def plan_memory(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, wo
     passed_over, smallest = [], None
     for path in candidate_configs(deepspeed):
         name = _display(path)
-        options = [(c, m) for c in CHECKPOINTING for m in micro_batches if m > 1 or rows_per_step == 1]
-        options += [(c, 1) for c in CHECKPOINTING if rows_per_step > 1]  # in order of preference
-        for checkpointing, mbs in options:
+        for checkpointing, mbs in preference(path, recipe, micro_batches):
             trial = with_memory_choice(recipe, checkpointing, mbs, rows_per_step // mbs)
             ds = resolve_ds_config(path, trial, world, model_config["hidden_size"], recipe_path,
                                    vocab_size=model_config["vocab_size"])
@@ -96,6 +97,18 @@ def plan_memory(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, wo
         f"train.gpu_memory_gib={budget_gib:g}: nothing fits {FIT_FRACTION:.0%} of it; the smallest is {name} with "
         f"checkpointing {checkpointing} and micro-batch {mbs} at {total / GIB:.2f} GiB per GPU"
         + (f" (CPU memory rules out {'; '.join(host)})" if host else "") + f". {advice}")
+
+
+def preference(path: str, recipe: Recipe, micro_batches: list[int]) -> list[tuple[str, int]]:
+    """(checkpointing, micro-batch) options of one DeepSpeed file, most preferred first (see the module's rules)."""
+    from finetune.ds_config import load_ds_json
+
+    zero = load_ds_json(path).get("zero_optimization", {})
+    pays_per_micro_batch = zero.get("stage", 0) == 3 or zero.get("offload_optimizer", {}).get("device", "none") != "none"
+    if pays_per_micro_batch:
+        return [(c, m) for m in micro_batches for c in CHECKPOINTING]
+    options = [(c, m) for c in CHECKPOINTING for m in micro_batches if m > 1 or len(micro_batches) == 1]
+    return options + [(c, 1) for c in CHECKPOINTING if len(micro_batches) > 1]
 
 
 def with_memory_choice(recipe: Recipe, checkpointing: str, micro_batch_size: int, grad_accum: int) -> Recipe:

@@ -32,10 +32,16 @@ def _peak(recipe, path: str, world: int, checkpointing: str, mbs: int) -> tuple[
 
 
 def _options_in_preference_order():
-    """Written out independently of budget.plan_memory: configuration (fastest first), then recomputation at a
-    micro-batch of 2 or more (largest first), then micro-batch 1."""
-    for key in SPEED_ORDER:
-        path = os.path.join(ROOT, "ds_configs", SHIPPED[key])
+    """Written out independently of budget.plan_memory: configuration (fastest first); for ZeRO-0/1/2 on the GPU the
+    least recomputation at a micro-batch of 2 or more (largest first), then micro-batch 1; for ZeRO-3 and offloading
+    the largest micro-batch, then the least recomputation."""
+    for stage, offload, offload_params in SPEED_ORDER:
+        path = os.path.join(ROOT, "ds_configs", SHIPPED[(stage, offload, offload_params)])
+        if stage == 3 or offload:
+            for mbs in (8, 4, 2, 1):
+                for checkpointing in ("none", "selective", "full"):
+                    yield path, checkpointing, mbs
+            continue
         for checkpointing in ("none", "selective", "full"):
             for mbs in (8, 4, 2):
                 yield path, checkpointing, mbs

@@ -26,8 +26,8 @@ def test_defaults_are_the_mistral7b_lora_run():
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=os.path.basename)
 @pytest.mark.parametrize("ds", DS_CONFIGS, ids=os.path.basename)
-def test_every_shipped_config_resolves(recipe, ds):
-    resolved = resolve_ds_config(ds, load_recipe(recipe), world_size=8, hidden_size=4096)
+def test_every_shipped_config_resolves(recipe, ds, tmp_path):
+    resolved = resolve_ds_config(ds, load_recipe(recipe, [f"train.nvme_path={tmp_path}"]), world_size=8, hidden_size=4096)
     assert '"auto"' not in json.dumps(resolved)
     assert resolved["train_batch_size"] == resolved["train_micro_batch_size_per_gpu"] * resolved["gradient_accumulation_steps"] * 8
     assert "optimizer" not in engine_config(resolved)
