@@ -129,13 +129,13 @@ def check_host_memory(row: dict[str, Any], ranks_per_node: int, total: float | N
         return None
     if needed > total:
         raise ConfigError(
-            f"{row['config']} offloads {needed / GIB:.0f} GiB per node to CPU memory ({ranks_per_node} rank(s) x "
-            f"{row['cpu'] / GIB:.1f} GiB) but this node has {total / GIB:.0f} GiB: use more nodes or GPUs (each holds a "
+            f"{row['config']} offloads {_gib(needed)} GiB per node to CPU memory ({ranks_per_node} rank(s) x "
+            f"{row['cpu'] / GIB:.1f} GiB) but this node has {_gib(total)} GiB: use more nodes or GPUs (each holds a "
             f"smaller share), LoRA, or ds_configs/zero3_nvme.json with train.nvme_path. If the node really has more "
             f"(a VM that grows its memory on demand), set train.cpu_memory_gib")
     if available is not None and needed > available:
-        return (f"warning: {row['config']} offloads {needed / GIB:.0f} GiB per node to CPU memory and only "
-                f"{available / GIB:.0f} GiB is available now (of {total / GIB:.0f}): other processes may have to go, "
+        return (f"warning: {row['config']} offloads {_gib(needed)} GiB per node to CPU memory and only "
+                f"{_gib(available)} GiB is available now (of {_gib(total)}): other processes may have to go, "
                 f"or the run will swap or be killed")
     return None
 
@@ -206,6 +206,12 @@ def enforce(budget_gib: float) -> float | None:
     accelerator.available_memory = lambda device_index=None: max(
         0, min(free_on_card(device_index), cap - torch.cuda.memory_reserved(device_index)))
     return fraction
+
+
+def _gib(n: float) -> str:
+    """Bytes as GiB with the digits that matter: 135, 2.5, 0.001."""
+    g = n / GIB
+    return f"{g:.0f}" if g >= 10 else f"{g:.1f}" if g >= 0.1 else f"{g:.3f}"
 
 
 def _display(path: str) -> str:

@@ -97,6 +97,8 @@ def _fit_budget(recipe: Recipe, model_config: dict[str, Any], deepspeed_json: st
     try:
         plan = budget.plan_memory(recipe, model_config, deepspeed_json, world, gib, _cpu_memory(recipe),
                                   budget.ranks_per_node(world), recipe_path)
+    except ConfigError:
+        raise
     except ValueError as e:  # the estimator does not know the model or LoRA targets
         raise ConfigError(f"train.gpu_memory_gib: {e}") from None
     dist.print0(plan.summary())
