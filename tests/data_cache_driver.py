@@ -42,3 +42,4 @@ if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     main(*args)
     dist.shutdown()
+    dist.exit_process(0)

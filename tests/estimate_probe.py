@@ -83,3 +83,4 @@ if __name__ == "__main__":
     with open(f"{out_prefix}.{dist.rank()}.json", "w") as f:
         json.dump(results, f)
     dist.shutdown()
+    dist.exit_process(0)

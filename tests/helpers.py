@@ -98,3 +98,4 @@ def driver_main(one_case) -> None:
         with open(out, "w") as f:
             json.dump(results, f)
     dist.shutdown()
+    dist.exit_process(0)

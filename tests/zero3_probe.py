@@ -31,3 +31,4 @@ if __name__ == "__main__":
     with open(f"{out_prefix}.{dist.rank()}.json", "w") as f:
         json.dump({"resident": resident_parameter_elements(model), "total": total, "world": dist.world_size()}, f)
     dist.shutdown()
+    dist.exit_process(0)
