@@ -2,7 +2,7 @@
 configuration, chosen from the memory estimator before any model exists; and the host-memory check for offloading.
 
     deepspeed --num_gpus 2 finetune/main.py --deepspeed auto --config recipes/mistral7b_full.yaml train.gpu_memory_gib=24
-    memory plan (24 GiB per GPU): ds_configs/zero3_offload_optimizer.json, checkpointing none, micro-batch 1 x 4 ...
+    memory plan (24 GiB per GPU, fits at <= 90%): ds_configs/zero2_offload.json, activation checkpointing full, ...
 
 The rules, fastest first:
 1. configurations in estimate.SPEED_ORDER (with `--deepspeed PATH`, only that one);
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from finetune.config import ConfigError, Recipe
-from finetune.ds_config import resolve_ds_config
-from finetune.estimate import FIT_FRACTION, GIB, SPEED_ORDER, SHIPPED, estimate_run, shipped_dir
+from finetune.ds_config import load_ds_json, offloads_optimizer, resolve_ds_config, zero_stage
+from finetune.estimate import FIT_FRACTION, GIB, SHIPPED, SPEED_ORDER, display_path, estimate_run, shipped_dir
 
 CHECKPOINTING = ("none", "selective", "full")
 
@@ -52,6 +52,54 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+def fit(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, world: int,
+        recipe_path: str) -> tuple[Recipe, str, MemoryPlan | None]:
+    """With train.gpu_memory_gib (or --deepspeed auto): the recipe and DeepSpeed file the memory plan chose, and the
+    plan (printed on rank 0); otherwise the inputs unchanged and None."""
+    from finetune import dist
+
+    gib = recipe.train.gpu_memory_gib
+    if deepspeed == "auto" and gib is None:
+        gib = local_gpu_gib()
+        if gib is None:
+            raise ConfigError("--deepspeed auto picks the ZeRO configuration that fits a GPU memory budget, and there "
+                              "is no GPU here to read it from: set train.gpu_memory_gib (GiB per GPU), or pass "
+                              "--deepspeed ds_configs/zero3.json")
+    if gib is None:
+        return recipe, deepspeed, None
+    try:
+        plan = plan_memory(recipe, model_config, deepspeed, world, gib, cpu_memory(recipe), ranks_per_node(world),
+                           recipe_path)
+    except ConfigError:
+        raise
+    except ValueError as e:  # the estimator does not know the model or LoRA targets
+        raise ConfigError(f"train.gpu_memory_gib: {e}") from None
+    dist.print0(plan.summary())
+    chosen = with_memory_choice(recipe, plan.activation_checkpointing, plan.micro_batch_size, plan.grad_accum)
+    return chosen, plan.deepspeed, plan
+
+
+def check_offload_fits_host(recipe: Recipe, model_config: dict[str, Any], ds: dict[str, Any], world: int) -> None:
+    """Refuse an offloading run whose states cannot fit the node's RAM; warn (rank 0) when they exceed what is free."""
+    from finetune import dist
+
+    if not offloads_optimizer(ds):
+        return
+    try:
+        row = estimate_run(model_config, recipe, ds, world)
+    except ValueError:  # LoRA targets the estimator does not model: nothing to check against
+        return
+    warning = check_host_memory(row, ranks_per_node(world), cpu_memory(recipe), host_memory()[1])
+    if warning:
+        dist.print0(warning)
+
+
+def cpu_memory(recipe: Recipe) -> float | None:
+    """Bytes of CPU memory per node for offloading: train.cpu_memory_gib, else what the node reports."""
+    gib = recipe.train.cpu_memory_gib
+    return gib * GIB if gib else host_memory()[0]
+
+
 def candidate_configs(deepspeed: str) -> list[str]:
     """`auto`: every shipped configuration, fastest first; else the one file."""
     if deepspeed != "auto":
@@ -68,8 +116,8 @@ def plan_memory(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, wo
     limit = FIT_FRACTION * budget_gib * GIB
     passed_over, smallest = [], None
     for path in candidate_configs(deepspeed):
-        name = _display(path)
-        for checkpointing, mbs in preference(path, recipe, micro_batches):
+        name = display_path(path)
+        for checkpointing, mbs in preference(path, micro_batches):
             trial = with_memory_choice(recipe, checkpointing, mbs, rows_per_step // mbs)
             ds = resolve_ds_config(path, trial, world, model_config["hidden_size"], recipe_path,
                                    vocab_size=model_config["vocab_size"])
@@ -99,13 +147,10 @@ def plan_memory(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, wo
         + (f" (CPU memory rules out {'; '.join(host)})" if host else "") + f". {advice}")
 
 
-def preference(path: str, recipe: Recipe, micro_batches: list[int]) -> list[tuple[str, int]]:
+def preference(path: str, micro_batches: list[int]) -> list[tuple[str, int]]:
     """(checkpointing, micro-batch) options of one DeepSpeed file, most preferred first (see the module's rules)."""
-    from finetune.ds_config import load_ds_json
-
-    zero = load_ds_json(path).get("zero_optimization", {})
-    pays_per_micro_batch = zero.get("stage", 0) == 3 or zero.get("offload_optimizer", {}).get("device", "none") != "none"
-    if pays_per_micro_batch:
+    raw = load_ds_json(path)
+    if zero_stage(raw) == 3 or offloads_optimizer(raw):  # they pay per micro-batch
         return [(c, m) for m in micro_batches for c in CHECKPOINTING]
     options = [(c, m) for c in CHECKPOINTING for m in micro_batches if m > 1 or len(micro_batches) == 1]
     return options + [(c, 1) for c in CHECKPOINTING if len(micro_batches) > 1]
@@ -212,8 +257,3 @@ def _gib(n: float) -> str:
     """Bytes as GiB with the digits that matter: 135, 2.5, 0.001."""
     g = n / GIB
     return f"{g:.0f}" if g >= 10 else f"{g:.1f}" if g >= 0.1 else f"{g:.3f}"
-
-
-def _display(path: str) -> str:
-    rel = os.path.relpath(os.path.abspath(path))
-    return os.path.abspath(path) if rel.startswith("..") else rel

@@ -344,7 +344,7 @@ def estimate_table(model_config: dict[str, Any], recipe, configs: dict[str, dict
     rows = []
     shipped = set(SHIPPED.values())
     for path, ds in configs.items():
-        row = dict(estimate_run(model_config, recipe, ds, gpus * nodes), ds_config=_display(path))
+        row = dict(estimate_run(model_config, recipe, ds, gpus * nodes), ds_config=display_path(path))
         if os.path.basename(path) not in shipped:
             row["config"] += f" ({os.path.basename(path)})"
         row["cpu_per_node"] = row["cpu"] * gpus
@@ -372,13 +372,13 @@ def format_table(rows: list[dict[str, Any]], chosen: str | None = None) -> str:
     lines = ["| config | weights | grads | optimizer | activations | buffers | grads at step | peak / GPU | CPU / node | fits |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        name = r["config"] + (" *" if chosen and _display(chosen) == r["ds_config"] else "")
+        name = r["config"] + (" *" if chosen and display_path(chosen) == r["ds_config"] else "")
         cells = " | ".join(f"{r[c] / GIB:.1f}" for c in cols)
         lines.append(f"| {name} | {cells} | {r['cpu_per_node'] / GIB:.1f} | {'yes' if r['fits'] else 'no'} |")
     return "\n".join(lines)
 
 
-def _display(path: str) -> str:
+def display_path(path: str) -> str:
     """A path relative to the working directory when it lies below it."""
     rel = os.path.relpath(os.path.abspath(path))
     return os.path.abspath(path) if rel.startswith("..") else rel

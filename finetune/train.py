@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def prepare(config: str | None, deepspeed_json: str, overrides: list[str]) -> Run:
     """Load and check everything a user can get wrong, before any rank starts work (raises ConfigError)."""
-    from finetune import dist
+    from finetune import budget, dist
     from finetune.loggers import check_backends
     from finetune.model import check_model_dir
 
@@ -56,10 +56,10 @@ def prepare(config: str | None, deepspeed_json: str, overrides: list[str]) -> Ru
     model_config = check_model_dir(recipe.model)
     _check_tokenizer_and_data(recipe)
     recipe_path = config or "recipes/mistral7b_lora.yaml"
-    recipe, deepspeed_json, plan = _fit_budget(recipe, model_config, deepspeed_json, recipe_path)
+    recipe, deepspeed_json, plan = budget.fit(recipe, model_config, deepspeed_json, dist.world_size(), recipe_path)
     ds = resolve_ds_config(deepspeed_json, recipe, dist.world_size(), model_config["hidden_size"],
                            recipe_path=recipe_path, vocab_size=model_config["vocab_size"])
-    _check_host_memory(recipe, model_config, ds)
+    budget.check_offload_fits_host(recipe, model_config, ds, dist.world_size())
     out = recipe.train.output_dir
     # Other ranks may be probing the folder right now (check_output_dir's .write-test-* files): not content.
     content = [f for f in os.listdir(out) if not f.startswith(checkpoint.WRITE_PROBE)] if os.path.isdir(out) else []
@@ -78,59 +78,6 @@ def prepare(config: str | None, deepspeed_json: str, overrides: list[str]) -> Ru
     needed = checkpoint.estimate_checkpoint_bytes(model_config, lora_fraction) if recipe.train.save_every > 0 else 0
     checkpoint.check_output_dir(out, needed)
     return Run(recipe, ds, model_config, resume_from, plan)
-
-
-def _fit_budget(recipe: Recipe, model_config: dict[str, Any], deepspeed_json: str, recipe_path: str):
-    """With train.gpu_memory_gib (or --deepspeed auto), the recipe and DeepSpeed file the memory plan chose."""
-    from finetune import budget, dist
-
-    gib = recipe.train.gpu_memory_gib
-    if deepspeed_json == "auto" and gib is None:
-        gib = budget.local_gpu_gib()
-        if gib is None:
-            raise ConfigError("--deepspeed auto picks the ZeRO configuration that fits a GPU memory budget, and there "
-                              "is no GPU here to read it from: set train.gpu_memory_gib (GiB per GPU), or pass "
-                              "--deepspeed ds_configs/zero3.json")
-    if gib is None:
-        return recipe, deepspeed_json, None
-    world = dist.world_size()
-    try:
-        plan = budget.plan_memory(recipe, model_config, deepspeed_json, world, gib, _cpu_memory(recipe),
-                                  budget.ranks_per_node(world), recipe_path)
-    except ConfigError:
-        raise
-    except ValueError as e:  # the estimator does not know the model or LoRA targets
-        raise ConfigError(f"train.gpu_memory_gib: {e}") from None
-    dist.print0(plan.summary())
-    chosen = budget.with_memory_choice(recipe, plan.activation_checkpointing, plan.micro_batch_size, plan.grad_accum)
-    return chosen, plan.deepspeed, plan
-
-
-def _check_host_memory(recipe: Recipe, model_config: dict[str, Any], ds: dict[str, Any]) -> None:
-    """Refuse an offloading run whose states cannot fit the node's RAM; warn when they exceed what is free now."""
-    from finetune import budget, dist
-    from finetune.ds_config import offloads_optimizer
-    from finetune.estimate import estimate_run
-
-    if not offloads_optimizer(ds):
-        return
-    try:
-        row = estimate_run(model_config, recipe, ds, dist.world_size())
-    except ValueError:  # LoRA targets the estimator does not model: nothing to check against
-        return
-    warning = budget.check_host_memory(row, budget.ranks_per_node(dist.world_size()), _cpu_memory(recipe),
-                                       budget.host_memory()[1])
-    if warning:
-        dist.print0(warning)
-
-
-def _cpu_memory(recipe: Recipe) -> float | None:
-    """Bytes of CPU memory per node for offloading: train.cpu_memory_gib, else what the node reports."""
-    from finetune import budget
-    from finetune.estimate import GIB
-
-    gib = recipe.train.cpu_memory_gib
-    return gib * GIB if gib else budget.host_memory()[0]
 
 
 def _check_tokenizer_and_data(recipe: Recipe) -> None:
