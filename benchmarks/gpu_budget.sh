@@ -4,15 +4,9 @@
 #   GPUS=2 CPU_GIB=250 bash benchmarks/gpu_budget.sh full:24 full:40 lora:24 ...   (KIND:GIB, run in this order)
 # Each KIND:GIB is one `zerotune compare --budgets GIB` (launch/compare.sh) in /tmp/r/KINDGIB; its summary, logs and
 # metrics go to $OUT/KINDGIB.tgz as soon as it ends. CPU_GIB is train.cpu_memory_gib: the device VMs report a small
-# MemTotal that grows on demand. Wheels (.whl) and the tokenizer (.gpu/tokenizer) are carried (see the docs page).
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_EXTENSIONS_DIR=/tmp/tex TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1 || exit
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/r
-[ -f /tmp/syn.jsonl ] || python benchmarks/synthetic_data.py /tmp/syn.jsonl --docs 400 --words 2200 >/dev/null
-[ -f /tmp/init/config.json ] || python -c "
-import torch; from transformers import AutoConfig, AutoModelForCausalLM
-torch.manual_seed(0)
-with torch.device('cuda'): m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained('recipes/mistral7b_shape'), dtype=torch.bfloat16)
-m.save_pretrained('/tmp/init')" 2>&1 | tail -1
+# MemTotal that grows on demand. Wheels (.whl) and the tokenizer (.gpu/tokenizer) are carried (benchmarks/gpu_setup.sh).
+source benchmarks/gpu_setup.sh
+mkdir -p /tmp/r
 C="model.path=/tmp/init model.tokenizer=.gpu/tokenizer data.path=/tmp/syn.jsonl data.format=text data.overlong=truncate
    optim.warmup_steps=2 train.cpu_memory_gib=${CPU_GIB:-120}"
 one() {  # KIND GIB

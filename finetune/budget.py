@@ -54,18 +54,22 @@ class MemoryPlan:
 
 def fit(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, world: int,
         recipe_path: str) -> tuple[Recipe, str, MemoryPlan | None]:
-    """With train.gpu_memory_gib (or --deepspeed auto): the recipe and DeepSpeed file the memory plan chose, and the
-    plan (printed on rank 0); otherwise the inputs unchanged and None."""
+    """With train.gpu_memory_gib, --deepspeed auto or model.activation_checkpointing=auto on a GPU (whose memory is
+    then the budget): the recipe and DeepSpeed file the memory plan chose, and the plan (printed on rank 0); otherwise
+    the inputs unchanged (auto checkpointing without a GPU: none) and None."""
     from finetune import dist
 
     gib = recipe.train.gpu_memory_gib
-    if deepspeed == "auto" and gib is None:
+    auto_checkpointing = recipe.model.activation_checkpointing == "auto"
+    if gib is None and (deepspeed == "auto" or auto_checkpointing):
         gib = local_gpu_gib()
-        if gib is None:
+        if gib is None and deepspeed == "auto":
             raise ConfigError("--deepspeed auto picks the ZeRO configuration that fits a GPU memory budget, and there "
                               "is no GPU here to read it from: set train.gpu_memory_gib (GiB per GPU), or pass "
                               "--deepspeed ds_configs/zero3.json")
     if gib is None:
+        if auto_checkpointing:  # no GPU memory to fit: recomputation would only cost time
+            recipe = with_memory_choice(recipe, "none", recipe.train.micro_batch_size, recipe.train.grad_accum)
         return recipe, deepspeed, None
     try:
         plan = plan_memory(recipe, model_config, deepspeed, world, gib, cpu_memory(recipe), ranks_per_node(world),

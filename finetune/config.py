@@ -37,8 +37,15 @@ class ModelConfig:
     """Seed of the random init (independent of train.seed, so data order and init can be varied separately)."""
     attn_implementation: str = "sdpa"
     """`sdpa`, `eager` or `flash_attention_2` (packing stays leak-free with each: masks or varlen from position_ids)."""
-    activation_checkpointing: Literal["none", "selective", "full"] = "full"
-    """`full` recomputes every decoder layer in backward, `selective` every second one, `none` keeps all activations."""
+    activation_checkpointing: Literal["auto", "none", "selective", "full"] = "auto"
+    """`full` recomputes every decoder layer in backward, `selective` every second one, `none` keeps all activations;
+    `auto`: on a GPU, the least recomputation (and the micro-batch) that fits its memory, from the estimator
+    (finetune/budget.py); without a GPU, `none`."""
+    fused_loss: bool = True
+    """Compute the output layer and the loss a chunk of tokens at a time, never holding the whole logits (finetune/loss.py)."""
+    kernels: Literal["auto", "liger", "none"] = "auto"
+    """Fused Triton kernels for RMSNorm, SwiGLU and RoPE: `liger` (liger-kernel, CUDA), `auto` = liger when it is
+    installed and the run is on CUDA, `none` = transformers' own modules."""
 
 
 @dataclass
@@ -159,6 +166,9 @@ class Recipe:
              "train.gpu_memory_gib must be > 0 (GiB per GPU), or null for no budget"),
             (self.train.cpu_memory_gib is None or self.train.cpu_memory_gib > 0,
              "train.cpu_memory_gib must be > 0 (GiB per node), or null to read it from the node"),
+            (not (self.model.fused_loss and self.lora.enabled and "lm_head" in self.lora.target_modules),
+             "model.fused_loss computes the loss inside the output layer, which LoRA on lm_head replaces: set "
+             "model.fused_loss=false or drop lm_head from lora.target_modules"),
         ]
         for ok, message in checks:
             if not ok:

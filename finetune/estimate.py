@@ -179,7 +179,7 @@ def _layer_bytes(cfg: dict[str, Any], lora: dict[str, Any] | None, seq_len: int,
 def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: int, micro_batch: int,
                          checkpointing: str = "full", dtype_bytes: int = 2, attn_implementation: str = "sdpa",
                          packing: bool = True, dropout_mask_bytes: int = 1,
-                         adapter_dtype_bytes: int | None = None) -> dict[str, float]:
+                         adapter_dtype_bytes: int | None = None, fused_loss: bool = False) -> dict[str, float]:
     """Activation bytes of one micro-batch (rows of seq_len tokens) per GPU, at the peak of backward.
 
     checkpointing: none keeps every layer's activations; full keeps each layer's input and recomputes one layer at a
@@ -187,6 +187,8 @@ def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: in
     training loop, their fp32 copy and the fp32 log-softmax (10 bytes per vocabulary entry per token in bf16).
     dropout_mask_bytes: CUDA's dropout keeps a bool mask; the CPU kernel keeps one in the input's dtype.
     adapter_dtype_bytes: the LoRA adapters' width when it differs from the activations' (fp32 under ZeRO-3).
+    fused_loss (finetune/loss.py): one chunk of rows' logits at a time; the gradients of the head's input (and of its
+    weight, when trained: an fp32 sum while it is built) are computed in forward and held until backward.
     """
     if checkpointing not in ("none", "selective", "full"):
         raise ValueError(f"checkpointing must be none, selective or full, got {checkpointing!r}")
@@ -206,17 +208,24 @@ def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: in
     recompute = per_layer if recomputed else 0.0  # one layer's activations rebuilt at a time in backward
     rope = 2 * d * (q // config_dict["num_attention_heads"])  # cos and sin, shared by every layer
     lm_head_trained = lora is None or "lm_head" in lora["targets"]
-    final_norm = 4 * h + 4 + (2 * d * h if lm_head_trained else 0)
+    final_norm = 4 * h + 4 + (2 * d * h if lm_head_trained and not fused_loss else 0)
     ids = 8 if lora is None else 0  # the embedding's backward needs the token ids
-    loss_saved = 4 * vocab  # fp32 log-softmax, kept for backward
-    loss_transient = (d + 4) * vocab  # the 16-bit logits held by the loop and their fp32 copy
+    if fused_loss:
+        from finetune.loss import CHUNK_ROWS
+
+        head = vocab * h if lm_head_trained else 0
+        loss_saved = tokens * d * h + d * head  # the head's input and weight gradients
+        loss_transient = min(tokens, CHUNK_ROWS) * vocab * (8 + d) + 4 * head  # a chunk's fp32 logits, softmax, 16-bit grad
+    else:
+        loss_saved = tokens * 4 * vocab  # fp32 log-softmax, kept for backward
+        loss_transient = tokens * (d + 4) * vocab  # the 16-bit logits held by the loop and their fp32 copy
     out = {
         "layers": tokens * saved_layers,
         "recompute": tokens * recompute,
         "other": tokens * (rope + final_norm + ids),
-        "logits": tokens * (loss_saved + loss_transient),
+        "logits": loss_saved + loss_transient,
     }
-    out["saved"] = out["layers"] + out["other"] + tokens * loss_saved  # what autograd holds after forward
+    out["saved"] = out["layers"] + out["other"] + loss_saved  # what autograd holds after forward
     out["total"] = out["layers"] + out["recompute"] + out["other"] + out["logits"]
     return out
 
@@ -243,13 +252,13 @@ def precision_bytes(ds: dict[str, Any], stage: int) -> tuple[int, int, int]:
     """(weight, activation, LoRA adapter) bytes under a DeepSpeed JSON.
 
     bf16 weights, except zerotune's ZeRO-0 whose bf16 is torch autocast over fp32 weights (DeepSpeed's bf16 at stage 0
-    accumulates gradients in bf16, which zerotune refuses). Adapters stay fp32 under ZeRO-3 (measured): peft creates
-    them in fp32, and DeepSpeed casts no parameter of a model built under zero.Init.
+    accumulates gradients in bf16, which zerotune refuses). LoRA adapters follow the weights (finetune/model.py casts
+    them under ZeRO-3, where DeepSpeed would leave peft's fp32).
     """
     bf16 = ds.get("bf16", {}).get("enabled") is True or ds.get("torch_autocast", {}).get("enabled") is True
     if not bf16:
         return 4, 4, 4
-    return (4, 2, 4) if stage == 0 else (2, 2, 4 if stage == 3 else 2)
+    return (4, 2, 4) if stage == 0 else (2, 2, 2)
 
 
 def estimate_run(model_config: dict[str, Any], recipe, ds: dict[str, Any], world: int) -> dict[str, Any]:
@@ -264,7 +273,8 @@ def estimate_run(model_config: dict[str, Any], recipe, ds: dict[str, Any], world
                                    adapter_bytes)
     acts = estimate_activations(model_config, lora, recipe.data.max_seq_len, recipe.train.micro_batch_size,
                                 recipe.model.activation_checkpointing, act_bytes, recipe.model.attn_implementation,
-                                recipe.data.packing, adapter_dtype_bytes=adapter_bytes)
+                                recipe.data.packing, adapter_dtype_bytes=adapter_bytes,
+                                fused_loss=recipe.model.fused_loss)
     buffers = estimate_buffers(model_config, ds, stage, weight_bytes)
     trained_bytes = adapter_bytes if lora is not None else weight_bytes
     step = step_gradients(states, stage, world, trained_bytes, offload_optimizer, zero.get("sub_group_size", 10**9))
@@ -425,6 +435,11 @@ def main(argv: list[str] | None = None) -> int:
     cpu_memory = args.cpu_memory_gib * GIB if args.cpu_memory_gib else _local_cpu_memory()
     try:
         recipe = load_recipe(args.config, args.overrides)
+        if recipe.model.activation_checkpointing == "auto":  # the table shows the settings; a run plans its own
+            recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, activation_checkpointing="full"))
+            print("model.activation_checkpointing=auto: the table assumes full; a run on a GPU picks the least "
+                  "recomputation that fits it (see memory_plan.json, or pass --gpu-memory-gib to a run as "
+                  "train.gpu_memory_gib)", file=sys.stderr)
         model_config = check_model_dir(recipe.model)
         configs = {path: resolve_ds_config(path, recipe, gpus * args.nodes, model_config["hidden_size"],
                                            recipe_path=args.config or "recipes/mistral7b_lora.yaml",

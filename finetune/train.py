@@ -47,12 +47,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def prepare(config: str | None, deepspeed_json: str, overrides: list[str]) -> Run:
     """Load and check everything a user can get wrong, before any rank starts work (raises ConfigError)."""
-    from finetune import budget, dist
+    from finetune import budget, dist, kernels
     from finetune.loggers import check_backends
     from finetune.model import check_model_dir
 
     recipe = load_recipe(config, overrides)
     check_backends(recipe.train.log_to)
+    kernels.check(recipe.model.kernels)
     model_config = check_model_dir(recipe.model)
     _check_tokenizer_and_data(recipe)
     recipe_path = config or "recipes/mistral7b_lora.yaml"
@@ -98,15 +99,6 @@ def _check_tokenizer_and_data(recipe: Recipe) -> None:
         if path and not os.path.exists(path):
             raise ConfigError(f"{key} {path!r} not found: point it at a local JSONL/JSON/Parquet/CSV/Arrow file or a "
                               f"save_to_disk folder")
-
-
-def token_loss_sum(logits, targets):
-    """(sum of next-token cross-entropies over target positions, number of targets), in fp32."""
-    import torch.nn.functional as F
-
-    flat = targets.reshape(-1)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat, ignore_index=-100, reduction="sum")
-    return loss, int((flat != -100).sum())
 
 
 def train(run: Run, on_end=None) -> list[dict[str, Any]]:
@@ -200,8 +192,7 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
         n_targets = float(dist.all_reduce_sum(sum(int((mb["targets"] != -100).sum()) for mb in micro_batches)))
         loss_sum = torch.zeros((), dtype=torch.float64)
         for mb in micro_batches:
-            logits = engine(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device)).logits
-            token_sum, _ = token_loss_sum(logits, mb["targets"].to(device))
+            token_sum = micro_batch_loss_sum(engine, mb, device, r.model.fused_loss)
             if dist.all_reduce_max(0.0 if torch.isfinite(token_sum).item() else 1.0) > 0:
                 _stop_on_nonfinite(engine, run, step, mb, token_sum)
             # DeepSpeed divides by grad_accum and averages over ranks; undo both so the step's gradient is
@@ -261,6 +252,18 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
     _release(engine, keepalive)
     _remove_swap(run.ds)
     return records
+
+
+def micro_batch_loss_sum(engine, mb, device, fused: bool):
+    """The micro-batch's summed token loss (fp32), through the model's fused loss head or from its logits."""
+    from finetune.loss import fused_loss, token_loss_sum
+
+    inputs = {"input_ids": mb["input_ids"].to(device), "position_ids": mb["position_ids"].to(device)}
+    targets = mb["targets"].to(device)
+    if not fused:
+        return token_loss_sum(engine(**inputs).logits, targets)[0]
+    with fused_loss(engine.module, targets):
+        return engine(**inputs).logits
 
 
 class TrainingError(RuntimeError):
@@ -341,6 +344,7 @@ def evaluate(engine, data, recipe: Recipe, world: int, rank: int, pad_id: int, d
 
     from finetune import dist
     from finetune.data.loader import eval_micro_batches
+    from finetune.loss import token_loss_sum
 
     engine.eval()
     total = torch.zeros((), dtype=torch.float64)
@@ -349,7 +353,7 @@ def evaluate(engine, data, recipe: Recipe, world: int, rank: int, pad_id: int, d
         for mb in eval_micro_batches(data, recipe.train.micro_batch_size, world, rank, recipe.data.max_seq_len,
                                      recipe.data.packing, pad_id):
             logits = engine(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device)).logits
-            s, n = token_loss_sum(logits, mb["targets"].to(device))
+            s, n = token_loss_sum(logits, mb["targets"].to(device))  # eval keeps the plain path: no backward
             total += s.double().cpu()
             count += n
     engine.train()

@@ -88,7 +88,8 @@ def test_what_ran_on_one_h200():
     estimate; a full fine-tune first ran out of a 24 GiB cap at the engine's start (ZeRO-2 clones the 16-bit weights on
     the GPU) and was killed on the 125 GiB host (the fp32 master is built unpinned, then pinned). Both moments are
     estimated now, so on one GPU with that host nothing below 141 GiB fits, and the message says why."""
-    rows4 = lambda kind: load_recipe(RECIPES[kind], ["model.path=recipes/mistral7b_shape"])
+    rows4 = lambda kind: load_recipe(RECIPES[kind], ["model.path=recipes/mistral7b_shape", "model.fused_loss=false",
+                                                    "model.activation_checkpointing=full"])  # what ran
     chosen = {gib: budget.plan_memory(rows4("lora"), MISTRAL, "auto", 1, gib, 125 * GIB, 1) for gib in (24, 40, 80)}
     assert {gib: (p.deepspeed, p.activation_checkpointing, p.micro_batch_size) for gib, p in chosen.items()} == {
         24: ("ds_configs/zero2.json", "full", 4), 40: ("ds_configs/zero2.json", "selective", 2),

@@ -44,7 +44,7 @@ def test_overrides_apply_with_types():
     (["trian.max_steps=3"], "unknown key 'trian'"),
     (["train.max_steps=ten"], "train.max_steps must be int, got str 'ten'"),
     (["lora.enabled=maybe"], "lora.enabled must be bool"),
-    (["model.activation_checkpointing=some"], "is not one of: none, selective, full"),
+    (["model.activation_checkpointing=some"], "is not one of: auto, none, selective, full"),
     (["data.overlong=cut"], "is not one of: drop, truncate"),
     (["train.max_steps=0"], "train.max_steps must be > 0"),
     (["max_steps=3"], "is not section.key=value"),

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Issue 7 on the 2xH200 machine, one command: the liger-kernel parity test on the GPU, then zerotune at its defaults
+# against HF Trainer + DeepSpeed (defaults and best hand-tuned) on Mistral-7B's shape (benchmarks/vs_peer.py).
+#   GPUS=2 bash benchmarks/gpu_vs_peer.sh [vs_peer.py options, e.g. --configs full_zero2 --systems zerotune]
+# Carry .whl (deepspeed, liger-kernel, pytest wheels) and .gpu/tokenizer. Results: $OUT/vp/vs_peer.json, logs, the table.
+source benchmarks/gpu_setup.sh
+if [ -z "${SKIP_KERNEL_TEST:-}" ]; then
+  python -m pytest -q -s -p no:cacheprovider tests/test_gpu_kernels.py 2>&1 | grep -v "^\[" | tail -4 | tee "$OUT/gpu_kernels.txt"
+fi
+python benchmarks/vs_peer.py --model /tmp/init --tokenizer .gpu/tokenizer --data /tmp/syn.jsonl --gpus "${GPUS:-2}" \
+  --out "$OUT/vp" "$@"  # straight into $OUT: what finished comes back even if the device call is cut short
+rm -rf "$OUT"/vp/*/.cache
+nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader | head -1

@@ -1,0 +1,171 @@
+"""zerotune at its defaults against HF Trainer + DeepSpeed (benchmarks/peer_hf_trainer.py) at its defaults and at its
+best hand-tuned settings, on the same work: Mistral-7B's shape (one saved random init), rows of 2,048 tokens, 8 rows
+per GPU per step, bf16, AdamW; full fine-tuning and LoRA r16 (seven projections) under ZeRO-2 and ZeRO-3.
+
+    python benchmarks/vs_peer.py --model /tmp/init --tokenizer .gpu/tokenizer --data /tmp/syn.jsonl --gpus 2 --out DIR
+    python benchmarks/vs_peer.py --table DIR/vs_peer.json [MORE.json ...]      # merge runs of several calls, print
+
+Each run is its own `deepspeed` launch (loopback rendezvous); a failed run is recorded with its log's tail and the
+rest go on. Prints a table (tok/s/GPU, MFU, peak memory, ratios, the issue's targets) and writes DIR/vs_peer.json.
+zerotune gets no performance flag: only the recipe, the DeepSpeed file and the work (data, steps, batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = ("full_zero2", "full_zero3", "lora_zero2", "lora_zero3")
+ROWS = 8  # rows per GPU per step (the peer's default micro-batch)
+PEER = {  # (micro-batch, grad_accum, checkpointing, liger); "best" from shared/FACTS.md's hand-tuning on 2xH200
+    "peer_default": {c: (8, 1, "on", "off") for c in CONFIGS},
+    "peer_best": {"full_zero2": (4, 2, "off", "on"), "full_zero3": (4, 2, "off", "off"),
+                  "lora_zero2": (8, 1, "off", "on"), "lora_zero3": (8, 1, "on", "off")},
+}
+TARGETS = {"full_zero2": 12000, "full_zero3": 11000, "lora_zero2": 18000, "lora_zero3": 12000}  # issue 7, tok/s/GPU
+H200_TFLOPS = 989.0
+
+
+def flops_per_token(seq: int) -> float:
+    """6N + 12·L·h·s for Mistral-7B (N = 7,241,732,096), the issue's and the peer measurement's count."""
+    return 6 * 7_241_732_096 + 12 * 32 * 4096 * seq
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script: list[str], gpus: int, log: str, timeout: int) -> tuple[int, str]:
+    cmd = ["deepspeed", "--num_gpus", str(gpus), "--master_addr", "127.0.0.1", "--master_port", str(free_port())] + script
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        try:
+            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT).returncode
+        except subprocess.TimeoutExpired:
+            code = 124
+    with open(log) as f:
+        tail = "".join(f.readlines()[-15:])
+    return code, tail
+
+
+def run_zerotune(config: str, a: argparse.Namespace) -> dict:
+    kind, zero = config.split("_")
+    out = os.path.join(a.out, f"zerotune_{config}")
+    script = ["finetune/main.py", "--deepspeed", f"ds_configs/{zero}.json", "--config", f"recipes/mistral7b_{kind}.yaml",
+              f"model.path={a.model}", f"model.tokenizer={a.tokenizer}", f"data.path={a.data}", "data.format=text",
+              "data.overlong=truncate", f"data.max_seq_len={a.seq}", f"train.micro_batch_size={ROWS}",
+              "train.grad_accum=1", f"train.max_steps={a.steps}", "optim.warmup_steps=2", f"train.output_dir={out}",
+              "train.overwrite=true", "train.sample_prompt=null", "train.export=false", "train.save_every=0",
+              "train.log_every=1"]
+    code, tail = launch(script, a.gpus, out + ".log", a.timeout)
+    result = {"system": "zerotune", "config": config, "exit": code}
+    metrics = os.path.join(out, "metrics.jsonl")
+    steps = [json.loads(x) for x in open(metrics) if '"loss"' in x] if os.path.exists(metrics) else []
+    timed = steps[a.skip:]
+    if code != 0 or not timed:
+        return {**result, "error": tail}
+    seconds = sum(r["step_time_s"] for r in timed)
+    return {**result, "tokens_per_s_per_gpu": sum(r["tokens"] for r in timed) / seconds / a.gpus,
+            "peak_mem_gib": max(r["peak_mem_gib"] for r in steps), "losses": [r["loss"] for r in steps],
+            "settings": _settings(out)}
+
+
+def _settings(run_dir: str) -> str:
+    """What zerotune chose: checkpointing and micro-batch (recipe.yaml, as resolved), kernels (the log)."""
+    import yaml
+
+    recipe = yaml.safe_load(open(os.path.join(run_dir, "recipe.yaml")))
+    liger = "kernels: liger" in open(run_dir + ".log").read()
+    return (f"ckpt {recipe['model']['activation_checkpointing']}, liger {'on' if liger else 'off'}, "
+            f"mbs {recipe['train']['micro_batch_size']}x{recipe['train']['grad_accum']}")
+
+
+def run_peer(system: str, config: str, a: argparse.Namespace) -> dict:
+    kind, zero = config.split("_")
+    mbs, ga, ckpt, liger = PEER[system][config]
+    out = os.path.join(a.out, f"{system}_{config}")
+    script = ["benchmarks/peer_hf_trainer.py", "--model", a.model, "--zero", zero[-1], "--micro-batch", str(mbs),
+              "--grad-accum", str(ga), "--checkpointing", ckpt, "--liger", liger, "--seq", str(a.seq),
+              "--steps", str(a.steps), "--skip", str(a.skip), "--out", out + ".json"] + (["--lora"] if kind == "lora" else [])
+    code, tail = launch(script, a.gpus, out + ".log", a.timeout)
+    result = {"system": system, "config": config, "exit": code, "settings": f"ckpt {ckpt}, liger {liger}, mbs {mbs}x{ga}"}
+    if code != 0 or not os.path.exists(out + ".json"):
+        return {**result, "error": tail}
+    measured = json.load(open(out + ".json"))
+    return {**result, "tokens_per_s_per_gpu": measured["tokens_per_s_per_gpu"], "peak_mem_gib": measured["peak_mem_gib"]}
+
+
+def table(results: list[dict], seq: int = 2048) -> str:
+    by = {(r["system"], r["config"]): r for r in results}
+    lines = ["| config | system | settings | tok/s/GPU | MFU | peak GiB | zerotune / this | target |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    for config in CONFIGS:
+        ours = by.get(("zerotune", config), {}).get("tokens_per_s_per_gpu")
+        for system in ("zerotune", "peer_default", "peer_best"):
+            r = by.get((system, config))
+            if r is None and system == "peer_best" and PEER["peer_best"][config] == PEER["peer_default"][config]:
+                r = by.get(("peer_default", config))  # its best settings are its defaults
+            if r is None:
+                continue
+            tps = r.get("tokens_per_s_per_gpu")
+            if tps is None:
+                lines.append(f"| {config} | {system} | {r.get('settings', '')} | failed (exit {r['exit']}) | | | | |")
+                continue
+            mfu = tps * flops_per_token(seq) / (H200_TFLOPS * 1e12)
+            ratio = f"{ours / tps:.2f}" if ours and system != "zerotune" else ""
+            target = f"{TARGETS[config]:,}" if system == "zerotune" else ""
+            lines.append(f"| {config} | {system} | {r.get('settings', '')} | {tps:,.0f} | {mfu:.1%} | "
+                         f"{r['peak_mem_gib']:.1f} | {ratio} | {target} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="saved Mistral-7B-shaped model folder")
+    p.add_argument("--tokenizer", default="mistral-common")
+    p.add_argument("--data", help="text JSONL (benchmarks/synthetic_data.py)")
+    p.add_argument("--gpus", type=int, default=2)
+    p.add_argument("--out", default="runs/vs_peer")
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    p.add_argument("--systems", nargs="+", default=["zerotune", "peer_default", "peer_best"],
+                   choices=["zerotune", "peer_default", "peer_best"])
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--skip", type=int, default=4)
+    p.add_argument("--timeout", type=int, default=600, help="seconds per run")
+    p.add_argument("--table", nargs="+", metavar="JSON", help="only merge these result files and print the table")
+    a = p.parse_args(argv)
+    if a.table:
+        merged = {}
+        for path in a.table:
+            for r in json.load(open(path))["runs"]:
+                merged[(r["system"], r["config"])] = r
+        print(table(list(merged.values())))
+        return 0
+    os.makedirs(a.out, exist_ok=True)
+    results = []
+    for config in a.configs:
+        for system in a.systems:
+            if system == "peer_best" and "peer_default" in a.systems and PEER["peer_best"][config] == PEER["peer_default"][config]:
+                continue  # the same settings: measured once, as the default
+            r = run_zerotune(config, a) if system == "zerotune" else run_peer(system, config, a)
+            results.append(r)
+            print(f"{system} {config}: " + (f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU, {r['peak_mem_gib']:.1f} GiB"
+                                            if "tokens_per_s_per_gpu" in r else f"failed, exit {r['exit']}\n{r['error']}"),
+                  flush=True)
+            with open(os.path.join(a.out, "vs_peer.json"), "w") as f:
+                json.dump({"runs": results, "seq": a.seq, "gpus": a.gpus, "steps": a.steps, "skip": a.skip}, f, indent=2)
+    print(table(results, a.seq))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
