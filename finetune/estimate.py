@@ -132,8 +132,12 @@ def estimate_model_states(config_dict: dict[str, Any], lora_cfg: Any, stage: int
 
 
 def _layer_bytes(cfg: dict[str, Any], lora: dict[str, Any] | None, seq_len: int, d: int, attn: str, packing: bool,
-                 mask_bytes: int, ad: int, first: bool = False) -> float:
-    """Bytes autograd saves per token in one decoder layer (transformers' Mistral, traced with saved-tensor hooks)."""
+                 mask_bytes: int, ad: int, first: bool = False, liger: bool = False) -> float:
+    """Bytes autograd saves per token in one decoder layer (transformers' Mistral, traced with saved-tensor hooks).
+
+    liger (model.kernels): liger-kernel's RMSNorm saves its 16-bit input and rstd (transformers' keeps an fp32 copy
+    and the normalised x), its SwiGLU saves gate and up (transformers' also silu(gate)); from liger's autograd code.
+    """
     h, i, q, kv, _, _ = _dims(cfg)
     heads = cfg["num_attention_heads"]
     shapes = linear_shapes(cfg)
@@ -149,10 +153,12 @@ def _layer_bytes(cfg: dict[str, Any], lora: dict[str, Any] | None, seq_len: int,
         keeps_out = lora is None or ("o_proj" in lora["targets"] and lora["dropout"] == 0)
         attention = d * (q + 2 * kv_saved + (q if keeps_out else 0)) + heads * seq_len * (4 + d)
     norm_full = 4 * h + 4 + 2 * d * h  # fp32 input, rstd, normalised x (weight grad), output (projections' input)
+    if liger:
+        norm_full = 2 * d * h + 4  # input, rstd, output (the projections' input)
     if lora is None:
-        return 2 * norm_full + attention + 4 * d * i  # gate, up, silu(gate), product (down_proj's input)
-    norm = 4 * h + 4  # frozen weights: neither the normalised x nor the projections' input is needed
-    mlp = 3 * d * i  # silu(gate)'s input, and both factors of the product
+        return 2 * norm_full + attention + (3 if liger else 4) * d * i  # gate, up, silu(gate), product (down's input)
+    norm = d * h + 4 if liger else 4 * h + 4  # frozen weights: neither the normalised x nor the projections' input
+    mlp = (2 if liger else 3) * d * i  # silu(gate)'s input, and both factors of the product
     adapters = 0.0
     shared = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "gate_proj": "mlp_in", "up_proj": "mlp_in",
               "o_proj": "attn_out", "down_proj": "down_in"}
@@ -179,7 +185,8 @@ def _layer_bytes(cfg: dict[str, Any], lora: dict[str, Any] | None, seq_len: int,
 def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: int, micro_batch: int,
                          checkpointing: str = "full", dtype_bytes: int = 2, attn_implementation: str = "sdpa",
                          packing: bool = True, dropout_mask_bytes: int = 1,
-                         adapter_dtype_bytes: int | None = None, fused_loss: bool = False) -> dict[str, float]:
+                         adapter_dtype_bytes: int | None = None, fused_loss: bool = False,
+                         liger: bool = False) -> dict[str, float]:
     """Activation bytes of one micro-batch (rows of seq_len tokens) per GPU, at the peak of backward.
 
     checkpointing: none keeps every layer's activations; full keeps each layer's input and recomputes one layer at a
@@ -197,8 +204,8 @@ def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: in
     tokens = seq_len * micro_batch
     d = dtype_bytes
     layer_args = (config_dict, lora, seq_len, d, attn_implementation, packing, dropout_mask_bytes, adapter_dtype_bytes or d)
-    per_layer = _layer_bytes(*layer_args)
-    first = _layer_bytes(*layer_args, first=True) if lora is not None else per_layer
+    per_layer = _layer_bytes(*layer_args, liger=liger)
+    first = _layer_bytes(*layer_args, first=True, liger=liger) if lora is not None else per_layer
     kept = {"none": layers, "selective": layers // 2, "full": 0}[checkpointing]  # layers 1, 3, 5... are not recomputed
     recomputed = layers - kept
     if lora is not None and checkpointing == "none":
@@ -274,7 +281,7 @@ def estimate_run(model_config: dict[str, Any], recipe, ds: dict[str, Any], world
     acts = estimate_activations(model_config, lora, recipe.data.max_seq_len, recipe.train.micro_batch_size,
                                 recipe.model.activation_checkpointing, act_bytes, recipe.model.attn_implementation,
                                 recipe.data.packing, adapter_dtype_bytes=adapter_bytes,
-                                fused_loss=recipe.model.fused_loss)
+                                fused_loss=recipe.model.fused_loss, liger=uses_liger(recipe.model.kernels))
     buffers = estimate_buffers(model_config, ds, stage, weight_bytes)
     trained_bytes = adapter_bytes if lora is not None else weight_bytes
     step = step_gradients(states, stage, world, trained_bytes, offload_optimizer, zero.get("sub_group_size", 10**9))
@@ -289,6 +296,13 @@ def estimate_run(model_config: dict[str, Any], recipe, ds: dict[str, Any], world
             "activations": acts["total"], "buffers": buffers, "step": step, "init": at_init,
             "total": max(backward, at_step, at_init), "cpu": states["cpu"] + cpu_at_init,
             "parameters": states["parameters"], "trained_parameters": states["trained_parameters"]}
+
+
+def uses_liger(kernels: str) -> bool:
+    """Whether a run with this model.kernels uses liger's modules: `auto` only where they can run (CUDA + installed)."""
+    from finetune import kernels as fused_kernels
+
+    return kernels == "liger" or (kernels == "auto" and fused_kernels.available() is None)
 
 
 def init_transients(states: dict[str, int], stage: int, world: int, trained_bytes: int, offload: bool) -> tuple[int, int]:
