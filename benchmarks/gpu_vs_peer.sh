@@ -2,12 +2,14 @@
 # Issue 7 on the 2xH200 machine, one command: the liger-kernel parity test on the GPU, then zerotune at its defaults
 # against HF Trainer + DeepSpeed (defaults and best hand-tuned) on Mistral-7B's shape (benchmarks/vs_peer.py).
 #   GPUS=2 bash benchmarks/gpu_vs_peer.sh [vs_peer.py options, e.g. --configs full_zero2 --systems zerotune]
-# Carry .whl (deepspeed, liger-kernel, pytest wheels) and .gpu/tokenizer. Results: $OUT/vp/vs_peer.json, logs, the table.
+# Carry .whl (deepspeed, liger-kernel, pytest wheels) and .gpu/tokenizer. Results: $OUT/$VP_NAME.tgz (vs_peer.json, logs), the table.
 source benchmarks/gpu_setup.sh
 if [ -z "${SKIP_KERNEL_TEST:-}" ]; then
   python -m pytest -q -s -p no:cacheprovider tests/test_gpu_kernels.py 2>&1 | grep -v "^\[" | tail -4 | tee "$OUT/gpu_kernels.txt"
 fi
+name=${VP_NAME:-vp}  # several calls of one session: VP_NAME=a ..., VP_NAME=b ...
 python benchmarks/vs_peer.py --model /tmp/init --tokenizer .gpu/tokenizer --data /tmp/syn.jsonl --gpus "${GPUS:-2}" \
-  --out "$OUT/vp" "$@"  # straight into $OUT: what finished comes back even if the device call is cut short
-rm -rf "$OUT"/vp/*/.cache
+  --out "/tmp/$name" "$@"
+# The device returns at most 8 files: one archive per call (vs_peer.json, logs, each zerotune run's metrics and plan).
+rm -rf /tmp/"$name"/*/.cache && tar czf "$OUT/$name.tgz" -C /tmp "$name"
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader | head -1
