@@ -137,6 +137,8 @@ class TrainConfig:
     allocator there (simulate a 24 GB card on a bigger one). null = no budget."""
     cpu_memory_gib: float | None = None
     """CPU memory per node that offloaded states may use; null = the node's (MemTotal, capped by its cgroup limit)."""
+    profile_step: int = 0
+    """Profile this step (1-based; 0 = never): output_dir/profile_stepN.txt/.json, the time per kind of kernel."""
     nvme_path: str | None = None
     """Folder on a local NVMe disk for ds_configs/zero3_nvme.json (its nvme_path "auto")."""
     wandb_project: str = "zerotune"

@@ -117,6 +117,7 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
     from finetune.metrics import MetricsLog, peak_memory_gib, peak_reserved_gib, peak_tflops, training_flops
     from finetune.model import build_model, trainable_parameters
     from finetune.optim import build_optimizer, clip_grad_norm_exact
+    from finetune.profiling import step_profiler
 
     r, t = run.recipe, run.recipe.train
     dist.init()
@@ -191,17 +192,18 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
         micro_batches = loader.step(step)
         n_targets = float(dist.all_reduce_sum(sum(int((mb["targets"] != -100).sum()) for mb in micro_batches)))
         loss_sum = torch.zeros((), dtype=torch.float64)
-        for mb in micro_batches:
-            token_sum = micro_batch_loss_sum(engine, mb, device, r.model.fused_loss)
-            if dist.all_reduce_max(0.0 if torch.isfinite(token_sum).item() else 1.0) > 0:
-                _stop_on_nonfinite(engine, run, step, mb, token_sum)
-            # DeepSpeed divides by grad_accum and averages over ranks; undo both so the step's gradient is
-            # sum(token losses of the whole global batch) / (its number of target tokens).
-            engine.backward(token_sum * (world * t.grad_accum / max(n_targets, 1.0)))
-            if own_clipping and engine.is_gradient_accumulation_boundary():
-                grad_norm = clip_grad_norm_exact(engine.module.parameters(), r.optim.grad_clip)
-            engine.step()
-            loss_sum += token_sum.detach().double().cpu()
+        with step_profiler(step + 1 == t.profile_step, t.output_dir, step + 1, dist.is_main()):
+            for mb in micro_batches:
+                token_sum = micro_batch_loss_sum(engine, mb, device, r.model.fused_loss)
+                if dist.all_reduce_max(0.0 if torch.isfinite(token_sum).item() else 1.0) > 0:
+                    _stop_on_nonfinite(engine, run, step, mb, token_sum)
+                # DeepSpeed divides by grad_accum and averages over ranks; undo both so the step's gradient is
+                # sum(token losses of the whole global batch) / (its number of target tokens).
+                engine.backward(token_sum * (world * t.grad_accum / max(n_targets, 1.0)))
+                if own_clipping and engine.is_gradient_accumulation_boundary():
+                    grad_norm = clip_grad_norm_exact(engine.module.parameters(), r.optim.grad_clip)
+                engine.step()
+                loss_sum += token_sum.detach().double().cpu()
         lengths = [int(n) for mb in micro_batches for n in mb["sample_lengths"]]
         tokens = float(dist.all_reduce_sum(sum(lengths)))
         flops = float(dist.all_reduce_sum(training_flops(hf_config, lengths)))

@@ -1,0 +1,82 @@
+"""Profile one training step (train.profile_step=N): where the step's time goes, by kind of kernel.
+
+    with step_profiler(step + 1 == t.profile_step, t.output_dir, step + 1):
+        ... one optimizer step ...
+
+Rank 0 writes `<output_dir>/profile_step{N}.json` and `.txt`: the step's wall time, the device time of each category
+(matmul, attention, communication, fused Triton kernels, optimizer, other elementwise/copies) and the top kernels. On
+CPU the same is written from CPU op times, so the path is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+
+CATEGORIES = (  # first match wins; lower-case substrings of kernel / op names
+    ("communication", ("nccl", "allreduce", "all_reduce", "reduce_scatter", "allgather", "all_gather", "gloo")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "efficient_attention")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "matmul")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("fused (triton)", ("triton", "liger", "_kernel")),
+)
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    return next((cat for cat, keys in CATEGORIES if any(k in low for k in keys)), "other")
+
+
+@contextlib.contextmanager
+def step_profiler(enabled: bool, output_dir: str, step: int, is_main: bool = True):
+    if not enabled:
+        yield
+        return
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        yield
+        if cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    if is_main:
+        write_report(prof, wall, cuda, output_dir, step)
+
+
+def write_report(prof, wall_s: float, cuda: bool, output_dir: str, step: int) -> dict:
+    rows = []
+    for e in prof.key_averages():
+        self_us = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)) if cuda \
+            else e.self_cpu_time_total
+        if self_us > 0:
+            rows.append((e.key, self_us / 1e6, e.count))
+    if not cuda:  # CPU time of ops nest; keep aten ops only so a category is not counted twice
+        rows = [r for r in rows if r[0].startswith("aten::")]
+    by_category: dict[str, float] = {}
+    for name, seconds, _ in rows:
+        by_category[category(name)] = by_category.get(category(name), 0.0) + seconds
+    busy = sum(by_category.values())
+    report = {
+        "step": step, "wall_s": wall_s, "device": "cuda" if cuda else "cpu", "busy_s": busy,
+        "categories_s": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
+        "top": [{"name": n, "s": s, "calls": c, "category": category(n)} for n, s, c in sorted(rows, key=lambda r: -r[1])[:25]],
+    }
+    base = os.path.join(output_dir, f"profile_step{step}")
+    with open(base + ".json", "w") as f:
+        json.dump(report, f, indent=2)
+    lines = [f"profile of step {step}: wall {wall_s:.3f} s, {report['device']} busy {busy:.3f} s "
+             f"({busy / wall_s:.0%} of the wall time; kernels on several streams can overlap)", ""]
+    lines += [f"  {cat:<16} {s:8.3f} s  {s / wall_s:6.1%}" for cat, s in report["categories_s"].items()]
+    lines += ["", "top kernels (self time):"]
+    lines += [f"  {r['s']:8.4f} s  {r['calls']:6d}x  [{r['category']}] {r['name'][:110]}" for r in report["top"]]
+    with open(base + ".txt", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return report
