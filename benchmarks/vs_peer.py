@@ -127,6 +127,35 @@ def table(results: list[dict], seq: int = 2048) -> str:
     return "\n".join(lines)
 
 
+def plot(results: list[dict], path: str) -> None:
+    """Grouped bars: tok/s/GPU of zerotune, the peer's defaults and best per configuration, the targets as ticks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = {(r["system"], r["config"]): r.get("tokens_per_s_per_gpu") or 0 for r in results}
+    systems = [("peer_default", "HF Trainer + DeepSpeed, defaults", "#bbbbbb"),
+               ("peer_best", "HF Trainer + DeepSpeed, best hand-tuned", "#777777"),
+               ("zerotune", "zerotune, defaults", "#1f77b4")]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.27
+    for i, (system, label, color) in enumerate(systems):
+        values = [by.get((system, c)) or (by.get(("peer_default", c)) if system == "peer_best" and
+                  PEER["peer_best"][c] == PEER["peer_default"][c] else 0) for c in CONFIGS]
+        bars = ax.bar([x + (i - 1) * width for x in range(len(CONFIGS))], values, width, label=label, color=color)
+        ax.bar_label(bars, labels=[f"{v / 1000:.1f}K" if v else "" for v in values], fontsize=7)
+    ax.scatter(range(len(CONFIGS)), [TARGETS[c] for c in CONFIGS], marker="_", s=600, color="red", label="issue target")
+    ax.set_xticks(range(len(CONFIGS)), [c.replace("_", ", ZeRO-")[:-5] + c[-1] for c in CONFIGS])
+    ax.set_ylabel("tokens/s per GPU")
+    ax.set_title("Mistral-7B shape, seq 2048, 2xH200: zerotune vs HF Trainer + DeepSpeed")
+    ax.set_ylim(0, 1.3 * max(TARGETS.values()))
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="saved Mistral-7B-shaped model folder")
@@ -142,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", type=int, default=4)
     p.add_argument("--timeout", type=int, default=600, help="seconds per run")
     p.add_argument("--table", nargs="+", metavar="JSON", help="only merge these result files and print the table")
+    p.add_argument("--plot", metavar="PNG", help="with --table: also draw the bars")
     a = p.parse_args(argv)
     if a.table:
         merged = {}
@@ -149,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             for r in json.load(open(path))["runs"]:
                 merged[(r["system"], r["config"])] = r
         print(table(list(merged.values())))
+        if a.plot:
+            plot(list(merged.values()), a.plot)
         return 0
     os.makedirs(a.out, exist_ok=True)
     results = []

@@ -15,18 +15,22 @@ import json
 import os
 import time
 
-CATEGORIES = (  # first match wins; lower-case substrings of kernel / op names
-    ("communication", ("nccl", "allreduce", "all_reduce", "reduce_scatter", "allgather", "all_gather", "gloo")),
-    ("attention", ("flash", "fmha", "attention", "sdpa", "efficient_attention")),
+CATEGORIES = (  # first match wins; lower-case substrings of CUDA kernel names (CPU: aten op names)
+    ("communication", ("nccl", "all_reduce", "reduce_scatter", "all_gather", "gloo")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "matmul")),
-    ("optimizer", ("adam", "multi_tensor", "foreach")),
-    ("fused (triton)", ("triton", "liger", "_kernel")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("elementwise", ("elementwise", "at::native", "aten::")),
 )
 
 
 def category(name: str) -> str:
+    """The kind of a kernel; Triton kernels (liger's) are plain function names ending in `_kernel`."""
     low = name.lower()
-    return next((cat for cat, keys in CATEGORIES if any(k in low for k in keys)), "other")
+    found = next((cat for cat, keys in CATEGORIES if any(k in low for k in keys)), None)
+    if found:
+        return found
+    return "fused (triton)" if low.endswith("_kernel") and not low.startswith("void ") else "other"
 
 
 @contextlib.contextmanager
@@ -52,14 +56,15 @@ def step_profiler(enabled: bool, output_dir: str, step: int, is_main: bool = Tru
 
 
 def write_report(prof, wall_s: float, cuda: bool, output_dir: str, step: int) -> dict:
+    from torch.autograd import DeviceType
+
     rows = []
     for e in prof.key_averages():
-        self_us = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)) if cuda \
-            else e.self_cpu_time_total
-        if self_us > 0:
-            rows.append((e.key, self_us / 1e6, e.count))
-    if not cuda:  # CPU time of ops nest; keep aten ops only so a category is not counted twice
-        rows = [r for r in rows if r[0].startswith("aten::")]
+        if cuda:  # the kernels themselves (an op's device time is its kernels': counting both would double it)
+            if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0:
+                rows.append((e.key, e.self_device_time_total / 1e6, e.count))
+        elif e.key.startswith("aten::") and e.self_cpu_time_total > 0:  # CPU ops nest: aten ops only
+            rows.append((e.key, e.self_cpu_time_total / 1e6, e.count))
     by_category: dict[str, float] = {}
     for name, seconds, _ in rows:
         by_category[category(name)] = by_category.get(category(name), 0.0) + seconds

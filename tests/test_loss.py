@@ -146,3 +146,17 @@ def test_profile_step_writes_time_by_kernel_kind(tmp_path):
     assert any(r["name"] == "aten::mm" or r["name"] == "aten::addmm" for r in report["top"])
     assert "profile of step 2" in (out / "profile_step2.txt").read_text()
     assert not (out / "profile_step1.json").exists() and not (out / "profile_step3.json").exists()
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT", "matmul"), ("aten::mm", "matmul"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26", "attention"),
+    ("_swiglu_backward_kernel", "fused (triton)"), ("_rms_norm_forward_kernel", "fused (triton)"),
+    ("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>", "elementwise"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata>", "optimizer"),
+    ("Command Buffer Full", "other")])
+def test_profile_categories(name, kind):
+    from finetune.profiling import category
+
+    assert category(name) == kind
