@@ -185,3 +185,27 @@ def test_nvme_path_is_required_and_per_run(tmp_path):
         assert zero["offload_param"]["nvme_path"] == zero["offload_optimizer"]["nvme_path"]
         paths.add(zero["offload_param"]["nvme_path"])
     assert len(paths) == 2 and all(os.path.dirname(p) == str(tmp_path) for p in paths)
+
+
+def test_auto_checkpointing_is_planned_from_the_budget_or_none_without_a_gpu():
+    """The 7B recipes say activation_checkpointing: auto. With a budget it is the plan's choice (the given DeepSpeed
+    file kept, the rows per step kept); with no budget and no GPU there is no memory to fit: none."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: auto plans for it")
+    recipe = load_recipe(RECIPES["full"], ["model.path=recipes/mistral7b_shape", "train.micro_batch_size=8"])
+    assert recipe.model.activation_checkpointing == "auto"
+    zero2 = os.path.join(ROOT, "ds_configs", "zero2.json")
+    chosen, ds, plan = budget.fit(recipe, MISTRAL, zero2, 2, RECIPES["full"])
+    assert plan is None and ds == zero2 and chosen.model.activation_checkpointing == "none"
+    assert (chosen.train.micro_batch_size, chosen.train.grad_accum) == (8, 1)
+    with_budget = load_recipe(RECIPES["full"], ["model.path=recipes/mistral7b_shape", "train.micro_batch_size=8",
+                                                "train.gpu_memory_gib=141"])
+    chosen, ds, plan = budget.fit(with_budget, MISTRAL, zero2, 2, RECIPES["full"])
+    assert os.path.abspath(ds) == zero2 and plan is not None
+    assert (chosen.model.activation_checkpointing, chosen.train.micro_batch_size, chosen.train.grad_accum) == \
+        (plan.activation_checkpointing, plan.micro_batch_size, plan.grad_accum)
+    assert plan.micro_batch_size * plan.grad_accum == 8 and plan.estimated_gib <= 0.9 * 141
+    # the 2xH200 benchmark's choice (docs/benchmarks/vs_peer_2xh200.md), without liger here: no recomputation at 4 x 2
+    assert (plan.activation_checkpointing, plan.micro_batch_size) == ("none", 4)

@@ -139,6 +139,17 @@ FAULTS = [
     Fault("nvme-path-missing", "NVMe offload without train.nvme_path", r"zero3_nvme.json offloads to NVMe: set train.nvme_path=",
           lambda tmp, run: _prepare(run, "train.resume=auto", ds=os.path.join(ROOT, "ds_configs", "zero3_nvme.json")),
           fix="set train.nvme_path to a folder on a local NVMe disk"),
+    Fault("liger-unavailable", "model.kernels=liger without liger-kernel or a CUDA GPU",
+          r"model.kernels=liger: (liger-kernel is not installed \(pip install liger-kernel\)|liger-kernel's Triton kernels "
+          r"need a CUDA GPU); set "
+          r"model.kernels=auto \(liger when available\) or none",
+          lambda tmp, run: _prepare(run, "train.resume=auto", "model.kernels=liger"),
+          fix="pip install liger-kernel on a CUDA machine, or model.kernels=auto"),
+    Fault("fused-loss-lora-head", "LoRA on lm_head with the fused loss",
+          r"model.fused_loss computes the loss inside the output layer, which LoRA on lm_head replaces: set "
+          r"model.fused_loss=false or drop lm_head from lora.target_modules",
+          lambda tmp, run: _prepare(run, "train.resume=auto", "lora.enabled=true", "lora.target_modules=[q_proj,lm_head]"),
+          fix="as the message says"),
     Fault("missing-hostfile", "a hostfile that does not exist", r"not found",
           lambda tmp, run: __import__("finetune.hostfile", fromlist=["x"]).load_hostfile(str(tmp / "nope"))),
     Fault("malformed-hostfile", "a malformed hostfile line", r"hosts:2: expected `HOST slots=N`",
