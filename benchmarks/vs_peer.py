@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from finetune.dist import free_port  # noqa: E402
 CONFIGS = ("full_zero2", "full_zero3", "lora_zero2", "lora_zero3")
 ROWS = 8  # rows per GPU per step (the peer's default micro-batch)
 PEER = {  # (micro-batch, grad_accum, checkpointing, liger); "best" from shared/FACTS.md's hand-tuning on 2xH200
@@ -31,15 +33,10 @@ TARGETS = {"full_zero2": 12000, "full_zero3": 11000, "lora_zero2": 18000, "lora_
 H200_TFLOPS = 989.0
 
 
-def flops_per_token(seq: int) -> float:
-    """6N + 12·L·h·s for Mistral-7B (N = 7,241,732,096), the issue's and the peer measurement's count."""
+def issue_flops_per_token(seq: int) -> float:
+    """6N + 12·L·h·s for Mistral-7B (N = 7,241,732,096, embeddings included): the issue's and the peer measurement's
+    count, so the MFU column compares with theirs (finetune.metrics counts the matmuls only, and attention exactly)."""
     return 6 * 7_241_732_096 + 12 * 32 * 4096 * seq
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(script: list[str], gpus: int, log: str, timeout: int) -> tuple[int, str]:
@@ -119,7 +116,7 @@ def table(results: list[dict], seq: int = 2048) -> str:
             if tps is None:
                 lines.append(f"| {config} | {system} | {r.get('settings', '')} | failed (exit {r['exit']}) | | | | |")
                 continue
-            mfu = tps * flops_per_token(seq) / (H200_TFLOPS * 1e12)
+            mfu = tps * issue_flops_per_token(seq) / (H200_TFLOPS * 1e12)
             ratio = f"{ours / tps:.2f}" if ours and system != "zerotune" else ""
             target = f"{TARGETS[config]:,}" if system == "zerotune" else ""
             lines.append(f"| {config} | {system} | {r.get('settings', '')} | {tps:,.0f} | {mfu:.1%} | "

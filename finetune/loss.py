@@ -4,7 +4,7 @@
     with fused_loss(model, targets): token_sum = engine(...).logits   # model.fused_loss=true: logits never held whole
 
 A 7B model's logits are the largest activation of a step: vocabulary 32,000 x 2,048 tokens x 4 rows is 0.5 GB in
-bf16, and the loss copies them to fp32 and keeps an fp32 log-softmax for backward (3.7 GB per micro-batch of 4 rows).
+bf16, and the loss copies them to fp32 and keeps an fp32 log-softmax for backward (2.6 GB per micro-batch of 4 rows).
 The fused path computes the output projection and the loss a chunk of rows at a time and its gradients in the same
 pass (as liger-kernel's fused linear cross-entropy does), so only one chunk's logits exist at any moment.
 

@@ -1,0 +1,42 @@
+"""train.profile_step: one step's time by kind of kernel (finetune/profiling.py), through a real training run on CPU,
+and the categories kernel names fall into (those of the H200 profiles in docs/benchmarks/vs_peer/)."""
+
+import json
+import os
+
+import pytest
+
+from tests.helpers import ROOT, TINY_RECIPE, ds_variant, run_ranks, save_tiny_model
+
+
+def test_profile_step_writes_time_by_kernel_kind(tmp_path):
+    """train.profile_step=N: the step's time split by kind of op (CPU here: aten ops), with matmuls among them."""
+    model_dir = save_tiny_model(str(tmp_path / "model"))
+    ds = ds_variant("zero2", str(tmp_path / "z2.json"), bf16=False)
+    out = tmp_path / "run"
+    cases = [{"name": "p", "config": TINY_RECIPE, "deepspeed": ds, "overrides": [
+        f"model.path={model_dir}", "model.tokenizer=mistral-common", "lora.enabled=false", "data.max_seq_len=128",
+        "train.max_steps=3", "train.profile_step=2", "train.micro_batch_size=2", f"train.output_dir={out}",
+        "train.sample_prompt=null"]}]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    run_ranks(1, os.path.join(ROOT, "tests", "parity_driver.py"), [str(tmp_path / "out.json"), str(tmp_path / "cases.json")])
+    report = json.loads((out / "profile_step2.json").read_text())
+    assert report["step"] == 2 and report["device"] == "cpu" and report["wall_s"] > 0
+    assert report["categories_s"]["matmul"] > 0 and 0 < report["busy_s"]
+    assert any(r["name"] == "aten::mm" or r["name"] == "aten::addmm" for r in report["top"])
+    assert "profile of step 2" in (out / "profile_step2.txt").read_text()
+    assert not (out / "profile_step1.json").exists() and not (out / "profile_step3.json").exists()
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT", "matmul"), ("aten::mm", "matmul"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26", "attention"),
+    ("_swiglu_backward_kernel", "fused (triton)"), ("_rms_norm_forward_kernel", "fused (triton)"),
+    ("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>", "elementwise"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata>", "optimizer"),
+    ("Command Buffer Full", "other")])
+def test_profile_categories(name, kind):
+    from finetune.profiling import category
+
+    assert category(name) == kind
