@@ -55,6 +55,9 @@ class LoraConfig:
     rank: int = 16
     alpha: int = 32
     dropout: float = 0.05
+    fused: bool = True
+    """Each adapted projection as one autograd function, base GEMM and adapter together (finetune/fused_lora.py);
+    false = peft's own forward. Same maths; it skips a copy of the input per adapter, two passes over each output."""
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )

@@ -74,7 +74,8 @@ def _lora(lora_cfg: Any) -> dict[str, Any] | None:
     targets = list(d.get("target_modules") or [])
     if not targets or not set(targets) <= set(LORA_TARGETS):
         raise ValueError(f"lora.target_modules {targets!r}: the estimator knows {', '.join(LORA_TARGETS)}")
-    return {"rank": int(d["rank"]), "targets": targets, "dropout": float(d.get("dropout", 0.0))}
+    return {"rank": int(d["rank"]), "targets": targets, "dropout": float(d.get("dropout", 0.0)),
+            "fused": bool(d.get("fused", False))}
 
 
 def lora_parameters(cfg: dict[str, Any], lora_cfg: Any) -> int:
@@ -141,6 +142,7 @@ def _layer_bytes(cfg: dict[str, Any], lora: dict[str, Any] | None, seq_len: int,
     h, i, q, kv, _, _ = _dims(cfg)
     heads = cfg["num_attention_heads"]
     shapes = linear_shapes(cfg)
+    fused = lora is not None and lora["fused"] and ad == d  # finetune/fused_lora.py; mixed dtypes run peft's forward
     masked = attn != "sdpa" or packing  # with a mask, transformers repeats k/v to every head before attention
     kv_saved = q if masked else kv
     if attn == "sdpa":
@@ -150,7 +152,7 @@ def _layer_bytes(cfg: dict[str, Any], lora: dict[str, Any] | None, seq_len: int,
     else:
         # eager: q, k, v, the fp32 softmax plus its 16-bit copy for every (query, key) pair, and o_proj's input when
         # something keeps it (a trained o_proj, or its adapter without dropout).
-        keeps_out = lora is None or ("o_proj" in lora["targets"] and lora["dropout"] == 0)
+        keeps_out = lora is None or ("o_proj" in lora["targets"] and (lora["dropout"] == 0 or fused))
         attention = d * (q + 2 * kv_saved + (q if keeps_out else 0)) + heads * seq_len * (4 + d)
     norm_full = 4 * h + 4 + 2 * d * h  # fp32 input, rstd, normalised x (weight grad), output (projections' input)
     if liger:
@@ -168,7 +170,14 @@ def _layer_bytes(cfg: dict[str, Any], lora: dict[str, Any] | None, seq_len: int,
             continue
         width = shapes[t][0]
         adapters += ad * lora["rank"]  # lora_A's output, saved by lora_B
-        if lora["dropout"] > 0:
+        if fused:
+            # the function keeps x once per distinct input (attention keeps o_proj's), and a bool mask per adapter
+            # (native_dropout's, on CPU as on CUDA)
+            adapters += width if lora["dropout"] > 0 else 0
+            if shared[t] not in inputs_saved and shared[t] != "attn_out":
+                inputs_saved.add(shared[t])
+                adapters += d * width
+        elif lora["dropout"] > 0:
             # each adapter drops its own copy of the input: lora_A keeps it, dropout keeps the mask (none is needed
             # in the first layer, where nothing upstream is trained)
             no_mask = first and shared[t] == "attn_in"

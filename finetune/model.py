@@ -46,6 +46,7 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, ds_config: dict[st
     from transformers.integrations import HfDeepSpeedConfig
 
     from finetune import dist, kernels
+    from finetune.fused_lora import install_fused_lora
     from finetune.loss import install_fused_loss
 
     check_model_dir(model_cfg)
@@ -77,6 +78,8 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, ds_config: dict[st
             for p in model.parameters():
                 if p.requires_grad and p.dtype == torch.float32:
                     p.data = p.data.to(dtype)
+        if lora_cfg.fused:
+            install_fused_lora(model, zero_stage(ds_config))
     if model_cfg.fused_loss:
         install_fused_loss(model)
     return model, keepalive

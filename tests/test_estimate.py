@@ -13,7 +13,8 @@ from tests.helpers import ROOT, TINY_CONFIG, ds_variant, run_ranks, save_tiny_mo
 
 MISTRAL = json.load(open(os.path.join(ROOT, "recipes", "mistral7b_shape", "config.json")))
 TINY = json.load(open(TINY_CONFIG))
-LORA = LoraConfig(rank=16)  # the default: all seven projections
+LORA = LoraConfig(rank=16)  # the default: all seven projections, fused (finetune/fused_lora.py)
+UNFUSED = LoraConfig(rank=16, fused=False)  # peft's own forward
 COUNTS = {"mistral": (MISTRAL, 7_241_732_096, 41_943_040), "tiny": (TINY, 8_930_432, 149_504)}
 
 
@@ -117,6 +118,10 @@ def _saved_bytes(lora: LoraConfig | None, attn: str, packed: bool, fp32_adapters
                                                      target_modules=lora.target_modules, task_type="CAUSAL_LM"))
         if not fp32_adapters:  # as ZeRO-0/1/2's bf16 engine casts every parameter; ZeRO-3 leaves peft's fp32 adapters
             model.to(torch.bfloat16)
+        if lora.fused:
+            from finetune.fused_lora import install_fused_lora
+
+            install_fused_lora(model, zero_stage=2)
     model.train()
     rows, seq = 2, 256
     ids = torch.randint(0, cfg.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(0))
@@ -142,7 +147,8 @@ def _saved_bytes(lora: LoraConfig | None, attn: str, packed: bool, fp32_adapters
 @pytest.mark.parametrize("lora,attn,packed,fp32_adapters", [
     (None, "sdpa", False, False), (None, "sdpa", True, False), (None, "eager", False, False),
     (LORA, "sdpa", True, False), (LoraConfig(rank=16, dropout=0.0), "sdpa", False, False), (LORA, "eager", False, False),
-    (LORA, "sdpa", True, True), (LoraConfig(rank=16, dropout=0.0), "sdpa", False, True)])
+    (LORA, "sdpa", True, True), (LoraConfig(rank=16, dropout=0.0), "sdpa", False, True),
+    (UNFUSED, "sdpa", True, False), (UNFUSED, "eager", False, False), (UNFUSED, "sdpa", True, True)])
 def test_activation_estimate_matches_saved_tensors(lora, attn, packed, fp32_adapters):
     measured_bytes, est = _saved_bytes(lora, attn, packed, fp32_adapters)
     assert est["saved"] == pytest.approx(measured_bytes, rel=1e-3), (measured_bytes, est)

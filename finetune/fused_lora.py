@@ -1,0 +1,122 @@
+"""Each LoRA-adapted projection as one autograd function: y = x·Wᵀ + s·(drop(x)·Aᵀ)·Bᵀ, chosen by lora.fused.
+
+    install_fused_lora(model, zero_stage)   # after get_peft_model, before deepspeed.initialize
+
+peft computes an adapted projection as `base(x) + lora_B(lora_A(dropout(x))) * scaling`: a dropout kernel writing a
+copy of x per adapter (which lora_A then keeps for backward), a scaling kernel and an add over the whole output, and in
+backward the same again plus an add of the two input gradients. Here the adapter's rank-r product is accumulated into
+the base GEMM's output by addmm (the scaling is its alpha), and in backward into the input gradient the same way. Kept
+for backward: x once (q, k and v share it), the bool dropout mask, and the r-wide x·Aᵀ; drop(x) is rebuilt from x and
+the mask when A's gradient needs it. Mistral-7B LoRA on 2xH200: see docs/benchmarks/vs_peer_2xh200.md.
+
+The class of each peft `lora.Linear` is swapped for a subclass, so parameter names, checkpoints, adapter export and
+merging are peft's. Anything the function does not cover (several active adapters, DoRA and other variants, merged or
+disabled adapters, a trained base weight, mixed dtypes, autocast) runs peft's own forward. Under ZeRO-3 the layer is a
+DeepSpeed leaf module: its base weight and both adapters are gathered together, by the layer's own hooks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+class LoraLinearFunction(torch.autograd.Function):
+    """y = x·Wᵀ (+ bias) + scaling·(drop(x)·Aᵀ)·Bᵀ for a frozen W; gradients for x, A and B."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dropout: float):
+        x2 = x.reshape(-1, x.shape[-1])
+        y = F.linear(x2, weight, bias)
+        mask = None
+        if dropout > 0:
+            dropped, mask = torch.native_dropout(x2, dropout, True)
+            low_rank = dropped @ lora_a.t()
+            del dropped  # rebuilt from x and the bool mask in backward, never kept
+        else:
+            low_rank = x2 @ lora_a.t()
+        y.addmm_(low_rank, lora_b.t(), alpha=scaling)
+        ctx.save_for_backward(x, weight, lora_a, lora_b, low_rank, mask)
+        ctx.scaling, ctx.dropout = scaling, dropout
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, lora_a, lora_b, low_rank, mask = ctx.saved_tensors
+        x2 = x.reshape(-1, x.shape[-1])
+        grad2 = grad_out.reshape(-1, grad_out.shape[-1])
+        keep_scale = 1.0 / (1.0 - ctx.dropout) if mask is not None else 1.0
+        grad_low = (grad2 @ lora_b).mul_(ctx.scaling)  # [tokens, r]: the gradient of drop(x)·Aᵀ
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad2 @ weight
+            if mask is None:
+                grad_x.addmm_(grad_low, lora_a)
+            else:
+                grad_x.add_(torch.ops.aten.native_dropout_backward(grad_low @ lora_a, mask, keep_scale))
+            grad_x = grad_x.view(x.shape)
+        dropped = x2 if mask is None else torch.ops.aten.native_dropout_backward(x2, mask, keep_scale)
+        grad_a = grad_low.t() @ dropped
+        grad_b = (grad2.t() @ low_rank).mul_(ctx.scaling)
+        return grad_x, None, None, grad_a, grad_b, None, None
+
+
+def _fusable(layer, x: torch.Tensor, args, kwargs) -> bool:
+    """Whether layer(x) is plain single-adapter LoRA on a frozen nn.Linear, all in x's dtype."""
+    if args or kwargs or layer.disable_adapters or layer.merged or torch.is_autocast_enabled(x.device.type):
+        return False
+    active = layer.active_adapters
+    if len(active) != 1 or active[0] not in layer.lora_A or active[0] in layer.lora_variant:
+        return False
+    base, name = layer.get_base_layer(), active[0]
+    if type(base) is not torch.nn.Linear or base.weight.requires_grad:
+        return False
+    if base.bias is not None and base.bias.requires_grad:
+        return False
+    a, b = layer.lora_A[name], layer.lora_B[name]
+    if a.bias is not None or b.bias is not None:
+        return False
+    dropout = layer.lora_dropout[name]
+    if not isinstance(dropout, (torch.nn.Dropout, torch.nn.Identity)):
+        return False
+    return all(t.dtype == x.dtype for t in (base.weight, a.weight, b.weight))
+
+
+@functools.cache
+def fused_class():
+    """peft's lora.Linear with the fused forward (built on first use: peft is imported only for LoRA runs)."""
+    from peft.tuners.lora.layer import Linear
+
+    class FusedLoraLinear(Linear):
+        def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            if not _fusable(self, x, args, kwargs):
+                return super().forward(x, *args, **kwargs)
+            name = self.active_adapters[0]
+            base = self.get_base_layer()
+            dropout = self.lora_dropout[name]
+            p = dropout.p if isinstance(dropout, torch.nn.Dropout) and self.training else 0.0
+            return LoraLinearFunction.apply(x, base.weight, base.bias, self.lora_A[name].weight,
+                                            self.lora_B[name].weight, float(self.scaling[name]), p)
+
+    FusedLoraLinear.__name__ = FusedLoraLinear.__qualname__ = "FusedLoraLinear"
+    return FusedLoraLinear
+
+
+def install_fused_lora(model: torch.nn.Module, zero_stage: int) -> int:
+    """Swap every peft lora.Linear in model for FusedLoraLinear; returns how many. Under ZeRO-3 they become leaf
+    modules (call before deepspeed.initialize, which registers the parameter hooks)."""
+    from peft.tuners.lora.layer import Linear
+
+    cls = fused_class()
+    count = 0
+    for module in model.modules():
+        if type(module) is Linear:
+            module.__class__ = cls
+            count += 1
+    if count and zero_stage == 3:
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, [cls])
+    return count

@@ -1,0 +1,176 @@
+"""The fused LoRA projection (finetune/fused_lora.py) computes what peft computes: loss and every gradient inside a
+Mistral (fp32 to 1e-5; bf16 within the error of peft's own bf16 path), one dropout mask used consistently by forward,
+backward and recomputation, and peft's forward wherever it does not apply.
+
+ZeRO 0-3 training with it (the default) against a plain-PyTorch loop over peft is tests/test_parity.py; ZeRO-3 on 2
+ranks with dropout and recomputation, fused against peft's forward, is the last test here; its saved bytes against the
+estimator are in tests/test_estimate.py.
+"""
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+from finetune.fused_lora import LoraLinearFunction, fused_class, install_fused_lora
+from tests.helpers import ROOT, TINY_RECIPE, ds_variant, run_ranks, save_tiny_model
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _peft_mistral(dtype, dropout=0.0, seed=0):
+    from peft import LoraConfig, get_peft_model
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(seed)
+    model = get_peft_model(MistralForCausalLM(cfg), LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout,
+                                                               target_modules=TARGETS))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero, which would leave A's gradient zero and untested
+            torch.nn.init.normal_(p, std=0.2)
+    return model.to(dtype)
+
+
+def _loss_and_grads(model, ids, embeds_grad=True):
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_(embeds_grad)
+    loss = model(inputs_embeds=embeds, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}
+    grads["inputs_embeds"] = embeds.grad.float()
+    return loss.item(), grads
+
+
+def _rel_err(a: dict, b: dict) -> float:
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max()).item() for k in b)
+
+
+def test_installs_on_every_adapted_projection_and_only_there():
+    model = _peft_mistral(torch.float32)
+    assert install_fused_lora(model, zero_stage=2) == 2 * len(TARGETS)
+    swapped = [n for n, m in model.named_modules() if type(m) is fused_class()]
+    assert len(swapped) == 14 and all(n.split(".")[-1] in TARGETS for n in swapped)
+    assert not any(getattr(m, "_z3_leaf", False) for m in model.modules())  # leaf modules only under ZeRO-3
+    model3 = _peft_mistral(torch.float32)
+    install_fused_lora(model3, zero_stage=3)
+    assert sum(getattr(m, "_z3_leaf", False) for m in model3.modules()) == 14
+    # parameter names (checkpoints, adapter export) are peft's
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in _peft_mistral(torch.float32).named_parameters()]
+
+
+def test_fp32_loss_and_gradients_equal_peft():
+    peft_model = _peft_mistral(torch.float32)
+    fused = copy.deepcopy(peft_model)
+    install_fused_lora(fused, zero_stage=0)
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    ref_loss, ref = _loss_and_grads(peft_model, ids)
+    loss, got = _loss_and_grads(fused, ids)
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    assert set(got) == set(ref) and len(got) == 2 * 2 * len(TARGETS) + 1
+    assert _rel_err(got, ref) < 1e-5
+
+
+def test_bf16_error_is_of_peft_bf16_order():
+    """Against an fp32 oracle: the fused bf16 path rounds once per addmm where peft rounds the scaled product and the sum."""
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(2))
+    _, oracle = _loss_and_grads(_peft_mistral(torch.float32), ids)
+    _, peft_bf16 = _loss_and_grads(_peft_mistral(torch.bfloat16), ids)
+    fused = _peft_mistral(torch.bfloat16)
+    install_fused_lora(fused, zero_stage=2)
+    _, fused_bf16 = _loss_and_grads(fused, ids)
+    assert _rel_err(fused_bf16, oracle) < 2 * _rel_err(peft_bf16, oracle)
+
+
+def test_dropout_mask_is_one_for_forward_and_backward():
+    """The function's output and gradients equal x·Wᵀ + s·(x·m/(1-p))·Aᵀ·Bᵀ built by autograd with the same mask m."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 5, 16, generator=g, requires_grad=True)
+    w = torch.randn(24, 16, generator=g)
+    a = torch.randn(4, 16, generator=g, requires_grad=True)
+    b = torch.randn(24, 4, generator=g, requires_grad=True)
+    torch.manual_seed(7)
+    y = LoraLinearFunction.apply(x, w, None, a, b, 0.5, 0.25)
+    (y * torch.linspace(-1, 1, 24)).sum().backward()
+    got = (y.detach(), x.grad, a.grad, b.grad)
+    torch.manual_seed(7)
+    _, mask = torch.native_dropout(x.detach().reshape(-1, 16), 0.25, True)  # the function's first random draw
+    assert 0.6 < mask.float().mean() < 0.9
+    x.grad = a.grad = b.grad = None
+    dropped = x * mask.view(x.shape) / 0.75
+    ref = x @ w.t() + 0.5 * (dropped @ a.t()) @ b.t()
+    (ref * torch.linspace(-1, 1, 24)).sum().backward()
+    for mine, theirs in zip(got, (ref.detach(), x.grad, a.grad, b.grad)):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_recomputation_rebuilds_the_same_masks():
+    """Dropout on, training: activation checkpointing (non-reentrant, RNG state restored) gives the gradients of no
+    checkpointing, so each recomputed forward drew the mask its backward uses."""
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(4))
+    results = []
+    for checkpointing in (False, True):
+        model = _peft_mistral(torch.float32, dropout=0.3)
+        install_fused_lora(model, zero_stage=0)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        torch.manual_seed(11)
+        results.append(_loss_and_grads(model, ids))
+    (loss_plain, plain), (loss_ckpt, ckpt) = results
+    assert loss_ckpt == pytest.approx(loss_plain, rel=1e-6)
+    assert _rel_err(ckpt, plain) < 1e-5
+    # and dropout did act: eval mode (no dropout) gives another loss
+    model = _peft_mistral(torch.float32, dropout=0.3)
+    install_fused_lora(model, zero_stage=0)
+    model.eval()
+    assert abs(_loss_and_grads(model, ids)[0] - loss_plain) > 1e-4
+
+
+def test_falls_back_to_peft_where_it_does_not_apply():
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(5))
+    peft_model = _peft_mistral(torch.float32)
+    fused = copy.deepcopy(peft_model)
+    install_fused_lora(fused, zero_stage=0)
+    calls = []
+    original = LoraLinearFunction.apply
+    LoraLinearFunction.apply = lambda *a: calls.append(1) or original(*a)
+    try:
+        with torch.no_grad():
+            with fused.disable_adapter(), peft_model.disable_adapter():  # the base model alone
+                assert torch.equal(fused(input_ids=ids).logits, peft_model(input_ids=ids).logits)
+            assert not calls
+            with torch.autocast("cpu", dtype=torch.bfloat16):  # ZeRO-0's bf16: peft casts per adapter
+                assert torch.equal(fused(input_ids=ids).logits, peft_model(input_ids=ids).logits)
+            assert not calls
+            fused(input_ids=ids)
+            assert len(calls) == 14
+            fused.merge_adapter()
+            peft_model.merge_adapter()
+            torch.testing.assert_close(fused(input_ids=ids).logits, peft_model(input_ids=ids).logits)
+            assert len(calls) == 14
+    finally:
+        LoraLinearFunction.apply = original
+
+
+def test_zero3_two_ranks_with_dropout_and_recomputation(tmp_path):
+    """2 ranks, ZeRO-3 (each projection a leaf module: base and adapters gathered together), fp32, lora.dropout 0.1,
+    full recomputation: fused trains like peft's forward (same first loss, then dropout's own noise)."""
+    model_dir = save_tiny_model(str(tmp_path / "model"))
+    ds = ds_variant("zero3", str(tmp_path / "z3.json"), bf16=False)
+    cases = [{"name": f"fused={fused}", "config": TINY_RECIPE, "deepspeed": ds, "overrides": [
+        f"model.path={model_dir}", "model.tokenizer=mistral-common", f"lora.fused={str(fused).lower()}",
+        "lora.dropout=0.1", "model.activation_checkpointing=full", "data.max_seq_len=128", "optim.lr=1e-3",
+        "optim.warmup_steps=2", "train.max_steps=6", "train.micro_batch_size=2",
+        f"train.output_dir={tmp_path / str(fused)}", "train.sample_prompt=null"]}
+        for fused in (True, False)]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    run_ranks(2, os.path.join(ROOT, "tests", "parity_driver.py"), [str(tmp_path / "out.json"), str(tmp_path / "cases.json")])
+    got = json.loads((tmp_path / "out.json").read_text())
+    fused, plain = got["fused=True"]["loss"], got["fused=False"]["loss"]
+    assert len(fused) == 6 and fused[-1] < fused[0] - 0.05
+    assert fused[0] == pytest.approx(plain[0], abs=1e-5)  # B starts at zero: dropout cannot act on step 1's loss
+    gap = max(abs(a - b) for a, b in zip(fused, plain))
+    assert 1e-6 < gap < 0.05  # not bit-equal: the fused function drew its own masks (it did not fall back to peft)
