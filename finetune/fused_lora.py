@@ -12,7 +12,7 @@ the mask when A's gradient needs it. Mistral-7B LoRA on 2xH200: see docs/benchma
 The class of each peft `lora.Linear` is swapped for a subclass, so parameter names, checkpoints, adapter export and
 merging are peft's. Anything the function does not cover (several active adapters, DoRA and other variants, merged or
 disabled adapters, a trained base weight, mixed dtypes, autocast) runs peft's own forward. Under ZeRO-3 the layer is a
-DeepSpeed leaf module: its base weight and both adapters are gathered together, by the layer's own hooks.
+base weight and both adapters are the layer's external parameters: gathered together by the layer's own hooks.
 """
 
 from __future__ import annotations
@@ -116,7 +116,24 @@ def install_fused_lora(model: torch.nn.Module, zero_stage: int) -> int:
             module.__class__ = cls
             count += 1
     if count and zero_stage == 3:
-        from deepspeed.utils import set_z3_leaf_modules
+        # ZeRO-3 gathers a module's parameters in its own forward hooks; the fused forward never calls the base
+        # layer's or the adapters' forward, so their parameters are registered to the adapted layer, whose hooks then
+        # gather and release them, in forward and backward. (Not DeepSpeed's leaf modules: those reduce their
+        # gradients in a full backward hook, which fires before this function's backward where the input needs no
+        # gradient, e.g. layer 0's q/k/v under LoRA: measured on 2xH200 as a crash at the first backward.)
+        from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
-        set_z3_leaf_modules(model, [cls])
+        for module in model.modules():
+            if type(module) is cls:
+                for p in _layer_parameters(module):
+                    register_external_parameter(module, p)
     return count
+
+
+def _layer_parameters(layer) -> list[torch.nn.Parameter]:
+    params = [layer.get_base_layer().weight]
+    if layer.get_base_layer().bias is not None:
+        params.append(layer.get_base_layer().bias)
+    for name in layer.lora_A:
+        params += [layer.lora_A[name].weight, layer.lora_B[name].weight]
+    return params
