@@ -53,17 +53,35 @@ def launch(script: list[str], gpus: int, log: str, timeout: int) -> tuple[int, s
     return code, tail
 
 
-def run_zerotune(config: str, a: argparse.Namespace) -> dict:
+def run_zerotune(config: str, a: argparse.Namespace, variant: list[str] | None = None) -> dict:
+    """zerotune at its defaults, or (variant = [label, key=value, ...]) an A/B row: recipe overrides, and
+    `ds.<path>=<json value>` edits of a copy of the DeepSpeed file."""
     kind, zero = config.split("_")
-    out = os.path.join(a.out, f"zerotune_{config}")
-    script = ["finetune/main.py", "--deepspeed", f"ds_configs/{zero}.json", "--config", f"recipes/mistral7b_{kind}.yaml",
+    system = "zerotune" if not variant else f"zerotune:{variant[0]}"
+    out = os.path.join(a.out, system.replace(":", "_") + f"_{config}")
+    ds_file = f"ds_configs/{zero}.json"
+    sets = [v for v in (variant or [])[1:] if not v.startswith("ds.")]
+    ds_sets = [v[3:] for v in (variant or [])[1:] if v.startswith("ds.")]
+    if ds_sets:
+        ds = json.load(open(os.path.join(ROOT, ds_file)))
+        for item in ds_sets:
+            path, value = item.split("=", 1)
+            *parents, leaf = path.split(".")
+            node = ds
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[leaf] = json.loads(value)
+        os.makedirs(a.out, exist_ok=True)
+        ds_file = os.path.abspath(out + ".ds.json")
+        json.dump(ds, open(ds_file, "w"), indent=2)
+    script = ["finetune/main.py", "--deepspeed", ds_file, "--config", f"recipes/mistral7b_{kind}.yaml",
               f"model.path={a.model}", f"model.tokenizer={a.tokenizer}", f"data.path={a.data}", "data.format=text",
               "data.overlong=truncate", f"data.max_seq_len={a.seq}", f"train.micro_batch_size={ROWS}",
               "train.grad_accum=1", f"train.max_steps={a.steps}", "optim.warmup_steps=2", f"train.output_dir={out}",
               "train.overwrite=true", "train.sample_prompt=null", "train.export=false", "train.save_every=0",
-              "train.log_every=1"]
+              "train.log_every=1"] + sets
     code, tail = launch(script, a.gpus, out + ".log", a.timeout)
-    result = {"system": "zerotune", "config": config, "exit": code}
+    result = {"system": system, "config": config, "exit": code}
     metrics = os.path.join(out, "metrics.jsonl")
     steps = [json.loads(x) for x in open(metrics) if '"loss"' in x] if os.path.exists(metrics) else []
     timed = steps[a.skip:]
@@ -106,7 +124,8 @@ def table(results: list[dict], seq: int = 2048) -> str:
              "|---|---|---|---:|---:|---:|---:|---:|"]
     for config in CONFIGS:
         ours = by.get(("zerotune", config), {}).get("tokens_per_s_per_gpu")
-        for system in ("zerotune", "peer_default", "peer_best"):
+        variants = sorted(s for s, c in by if c == config and s.startswith("zerotune:"))
+        for system in ["zerotune", *variants, "peer_default", "peer_best"]:
             r = by.get((system, config))
             if r is None and system == "peer_best" and PEER["peer_best"][config] == PEER["peer_default"][config]:
                 r = by.get(("peer_default", config))  # its best settings are its defaults
@@ -163,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     p.add_argument("--systems", nargs="+", default=["zerotune", "peer_default", "peer_best"],
                    choices=["zerotune", "peer_default", "peer_best"])
+    p.add_argument("--variant", nargs="+", action="append", metavar="LABEL KEY=VALUE",
+                   help="also run zerotune with recipe overrides and ds.<path>=<json> DeepSpeed edits, as row "
+                        "zerotune:LABEL (A/B experiments; repeatable)")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--skip", type=int, default=4)
@@ -185,13 +207,16 @@ def main(argv: list[str] | None = None) -> int:
         for system in a.systems:
             if system == "peer_best" and "peer_default" in a.systems and PEER["peer_best"][config] == PEER["peer_default"][config]:
                 continue  # the same settings: measured once, as the default
-            r = run_zerotune(config, a) if system == "zerotune" else run_peer(system, config, a)
-            results.append(r)
-            print(f"{system} {config}: " + (f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU, {r['peak_mem_gib']:.1f} GiB"
-                                            if "tokens_per_s_per_gpu" in r else f"failed, exit {r['exit']}\n{r['error']}"),
-                  flush=True)
-            with open(os.path.join(a.out, "vs_peer.json"), "w") as f:
-                json.dump({"runs": results, "seq": a.seq, "gpus": a.gpus, "steps": a.steps, "skip": a.skip}, f, indent=2)
+            runs = [run_zerotune(config, a)] if system == "zerotune" else [run_peer(system, config, a)]
+            if system == "zerotune":
+                runs += [run_zerotune(config, a, v) for v in a.variant or []]
+            for r in runs:
+                results.append(r)
+                print(f"{r['system']} {config}: " + (
+                    f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU, {r['peak_mem_gib']:.1f} GiB"
+                    if "tokens_per_s_per_gpu" in r else f"failed, exit {r['exit']}\n{r['error']}"), flush=True)
+                with open(os.path.join(a.out, "vs_peer.json"), "w") as f:
+                    json.dump({"runs": results, "seq": a.seq, "gpus": a.gpus, "steps": a.steps, "skip": a.skip}, f, indent=2)
     print(table(results, a.seq))
     return 0
 

@@ -24,6 +24,15 @@ CATEGORIES = (  # first match wins; lower-case substrings of CUDA kernel names (
 )
 
 
+# Device-timeline entries that are not kernels but mirror them (the profiler's annotation of a collective, of an
+# optimizer step) or mark a wait (the launch queue full): counting them would double the kernels' time.
+NOT_KERNELS = ("nccl:", "Optimizer.", "record_param_comms", "Command Buffer Full")
+
+
+def is_kernel(name: str) -> bool:
+    return not name.startswith(NOT_KERNELS)
+
+
 def category(name: str) -> str:
     """The kind of a kernel; Triton kernels (liger's) are plain function names ending in `_kernel`."""
     low = name.lower()
@@ -61,7 +70,7 @@ def write_report(prof, wall_s: float, cuda: bool, output_dir: str, step: int) ->
     rows = []
     for e in prof.key_averages():
         if cuda:  # the kernels themselves (an op's device time is its kernels': counting both would double it)
-            if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0:
+            if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0 and is_kernel(e.key):
                 rows.append((e.key, e.self_device_time_total / 1e6, e.count))
         elif e.key.startswith("aten::") and e.self_cpu_time_total > 0:  # CPU ops nest: aten ops only
             rows.append((e.key, e.self_cpu_time_total / 1e6, e.count))
