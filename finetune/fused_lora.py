@@ -57,9 +57,12 @@ class LoraLinearFunction(torch.autograd.Function):
             else:
                 grad_x.add_(torch.ops.aten.native_dropout_backward(grad_low @ lora_a, mask, keep_scale))
             grad_x = grad_x.view(x.shape)
-        dropped = x2 if mask is None else torch.ops.aten.native_dropout_backward(x2, mask, keep_scale)
-        grad_a = grad_low.t() @ dropped
-        grad_b = (grad2.t() @ low_rank).mul_(ctx.scaling)
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[3]:
+            dropped = x2 if mask is None else torch.ops.aten.native_dropout_backward(x2, mask, keep_scale)
+            grad_a = grad_low.t() @ dropped
+        if ctx.needs_input_grad[4]:
+            grad_b = (grad2.t() @ low_rank).mul_(ctx.scaling)
         return grad_x, None, None, grad_a, grad_b, None, None
 
 
