@@ -11,8 +11,8 @@ the mask when A's gradient needs it. Mistral-7B LoRA on 2xH200: see docs/benchma
 
 The class of each peft `lora.Linear` is swapped for a subclass, so parameter names, checkpoints, adapter export and
 merging are peft's. Anything the function does not cover (several active adapters, DoRA and other variants, merged or
-disabled adapters, a trained base weight, mixed dtypes, autocast) runs peft's own forward. Under ZeRO-3 the layer is a
-base weight and both adapters are the layer's external parameters: gathered together by the layer's own hooks.
+disabled adapters, a trained base weight, mixed dtypes, autocast) runs peft's own forward. Under ZeRO-3 the base
+weight and both adapters are the layer's external parameters: gathered together by the layer's own hooks.
 """
 
 from __future__ import annotations
@@ -108,8 +108,8 @@ def fused_class():
 
 
 def install_fused_lora(model: torch.nn.Module, zero_stage: int) -> int:
-    """Swap every peft lora.Linear in model for FusedLoraLinear; returns how many. Under ZeRO-3 they become leaf
-    modules (call before deepspeed.initialize, which registers the parameter hooks)."""
+    """Swap every peft lora.Linear in model for FusedLoraLinear; returns how many. Under ZeRO-3, call it before
+    deepspeed.initialize, which registers the parameter hooks."""
     from peft.tuners.lora.layer import Linear
 
     cls = fused_class()
