@@ -5,7 +5,7 @@
 # Carry .whl (deepspeed, liger-kernel, pytest wheels) and .gpu/tokenizer. Results: $OUT/$VP_NAME.tgz (vs_peer.json, logs), the table.
 source benchmarks/gpu_setup.sh
 if [ -z "${SKIP_KERNEL_TEST:-}" ]; then
-  python -m pytest -q -s -p no:cacheprovider tests/test_gpu_kernels.py 2>&1 | grep -v "^\[" | tail -4 | tee "$OUT/gpu_kernels.txt"
+  python -m pytest -q -s -p no:cacheprovider tests/test_gpu_kernels.py tests/test_gpu_fused_lora.py 2>&1 | grep -v "^\[" | tail -4 | tee "$OUT/gpu_kernels.txt"
 fi
 name=${VP_NAME:-vp}  # several calls of one session: VP_NAME=a ..., VP_NAME=b ...
 python benchmarks/vs_peer.py --model /tmp/init --tokenizer .gpu/tokenizer --data /tmp/syn.jsonl --gpus "${GPUS:-2}" \
