@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     elif command == "compare":
         from finetune.compare import main as run
     elif command == "estimate":
-        from finetune.estimate import main as run
+        from finetune.estimate_cli import main as run
     elif command == "plot":
         from finetune.curves import main as run
     elif command == "chat":

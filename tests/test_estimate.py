@@ -8,7 +8,8 @@ import pytest
 
 from finetune.config import LoraConfig
 from finetune.estimate import (GIB, count_parameters, estimate_activations, estimate_model_states, lora_parameters,
-                               main, precision_bytes)
+                               precision_bytes)
+from finetune.estimate_cli import main
 from tests.helpers import ROOT, TINY_CONFIG, ds_variant, run_ranks, save_tiny_model
 
 MISTRAL = json.load(open(os.path.join(ROOT, "recipes", "mistral7b_shape", "config.json")))
