@@ -167,9 +167,9 @@ def _layer_bytes(cfg: dict[str, Any], lora: dict[str, Any] | None, seq_len: int,
             continue
         width = shapes[t][0]
         adapters += ad * lora["rank"]  # lora_A's output, saved by lora_B
-        if fused:
-            # the function keeps x once per distinct input (attention keeps o_proj's), and a bool mask per adapter
-            # (native_dropout's, on CPU as on CUDA)
+        if fused or (lora["dropout"] == 0 and ad == d):
+            # x itself is kept, once per distinct input (attention keeps o_proj's); the fused function adds a bool
+            # mask per adapter (native_dropout's, on CPU as on CUDA)
             adapters += width if lora["dropout"] > 0 else 0
             if shared[t] not in inputs_saved and shared[t] != "attn_out":
                 inputs_saved.add(shared[t])
@@ -179,11 +179,8 @@ def _layer_bytes(cfg: dict[str, Any], lora: dict[str, Any] | None, seq_len: int,
             # in the first layer, where nothing upstream is trained)
             no_mask = first and shared[t] == "attn_in"
             adapters += ad * width + (0 if no_mask else mask_bytes * width)
-        elif ad != d:  # peft casts the input to the adapters' dtype, a copy per adapter
+        else:  # peft casts the input to the adapters' dtype, a copy per adapter
             adapters += ad * width
-        elif shared[t] not in inputs_saved and shared[t] != "attn_out":  # attn_out is attention's saved output
-            inputs_saved.add(shared[t])
-            adapters += d * width
     norms = norm if first else 2 * norm  # the first layer's input norm: its input (the frozen embedding) needs no grad
     return norms + attention + mlp + adapters
 

@@ -112,31 +112,17 @@ def install_fused_lora(model: torch.nn.Module, zero_stage: int) -> int:
     deepspeed.initialize, which registers the parameter hooks."""
     from peft.tuners.lora.layer import Linear
 
-    cls = fused_class()
-    count = 0
-    for module in model.modules():
-        if type(module) is Linear:
-            module.__class__ = cls
-            count += 1
-    if count and zero_stage == 3:
+    if zero_stage == 3:
         # ZeRO-3 gathers a module's parameters in its own forward hooks; the fused forward never calls the base
         # layer's or the adapters' forward, so their parameters are registered to the adapted layer, whose hooks then
         # gather and release them, in forward and backward. (Not DeepSpeed's leaf modules: those reduce their
         # gradients in a full backward hook, which fires before this function's backward where the input needs no
         # gradient, e.g. layer 0's q/k/v under LoRA: measured on 2xH200 as a crash at the first backward.)
         from deepspeed.runtime.zero.partition_parameters import register_external_parameter
-
-        for module in model.modules():
-            if type(module) is cls:
-                for p in _layer_parameters(module):
-                    register_external_parameter(module, p)
-    return count
-
-
-def _layer_parameters(layer) -> list[torch.nn.Parameter]:
-    params = [layer.get_base_layer().weight]
-    if layer.get_base_layer().bias is not None:
-        params.append(layer.get_base_layer().bias)
-    for name in layer.lora_A:
-        params += [layer.lora_A[name].weight, layer.lora_B[name].weight]
-    return params
+    layers = [m for m in model.modules() if type(m) is Linear]
+    for layer in layers:
+        layer.__class__ = fused_class()
+        if zero_stage == 3:
+            for p in layer.parameters():  # the base weight (and bias) and every adapter's A and B
+                register_external_parameter(layer, p)
+    return len(layers)

@@ -132,30 +132,27 @@ def test_recomputation_rebuilds_the_same_masks():
     assert abs(_loss_and_grads(model, ids)[0] - loss_plain) > 1e-4
 
 
-def test_falls_back_to_peft_where_it_does_not_apply():
+def test_falls_back_to_peft_where_it_does_not_apply(monkeypatch):
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(5))
     peft_model = _peft_mistral(torch.float32)
     fused = copy.deepcopy(peft_model)
     install_fused_lora(fused, zero_stage=0)
     calls = []
     original = LoraLinearFunction.apply
-    LoraLinearFunction.apply = lambda *a: calls.append(1) or original(*a)
-    try:
-        with torch.no_grad():
-            with fused.disable_adapter(), peft_model.disable_adapter():  # the base model alone
-                assert torch.equal(fused(input_ids=ids).logits, peft_model(input_ids=ids).logits)
-            assert not calls
-            with torch.autocast("cpu", dtype=torch.bfloat16):  # ZeRO-0's bf16: peft casts per adapter
-                assert torch.equal(fused(input_ids=ids).logits, peft_model(input_ids=ids).logits)
-            assert not calls
-            fused(input_ids=ids)
-            assert len(calls) == 14
-            fused.merge_adapter()
-            peft_model.merge_adapter()
-            torch.testing.assert_close(fused(input_ids=ids).logits, peft_model(input_ids=ids).logits)
-            assert len(calls) == 14
-    finally:
-        LoraLinearFunction.apply = original
+    monkeypatch.setattr(LoraLinearFunction, "apply", lambda *a: calls.append(1) or original(*a))
+    with torch.no_grad():
+        with fused.disable_adapter(), peft_model.disable_adapter():  # the base model alone
+            assert torch.equal(fused(input_ids=ids).logits, peft_model(input_ids=ids).logits)
+        assert not calls
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # ZeRO-0's bf16: peft casts per adapter
+            assert torch.equal(fused(input_ids=ids).logits, peft_model(input_ids=ids).logits)
+        assert not calls
+        fused(input_ids=ids)
+        assert len(calls) == 14
+        fused.merge_adapter()
+        peft_model.merge_adapter()
+        torch.testing.assert_close(fused(input_ids=ids).logits, peft_model(input_ids=ids).logits)
+        assert len(calls) == 14
 
 
 def test_zero3_two_ranks_with_dropout_and_recomputation(tmp_path):

@@ -13,20 +13,16 @@ from tests.test_fused_lora import _loss_and_grads, _peft_mistral, _rel_err
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _on_gpu(model):
-    return model.cuda()
-
-
 def test_fp32_and_bf16_equal_peft_on_cuda():
     ids = torch.randint(0, 128, (4, 64), generator=torch.Generator().manual_seed(1)).cuda()
-    peft_fp32 = _on_gpu(_peft_mistral(torch.float32))
+    peft_fp32 = _peft_mistral(torch.float32).cuda()
     fused_fp32 = copy.deepcopy(peft_fp32)
     install_fused_lora(fused_fp32, zero_stage=2)
     ref_loss, oracle = _loss_and_grads(peft_fp32, ids)
     loss, got = _loss_and_grads(fused_fp32, ids)
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     assert _rel_err(got, oracle) < 1e-4
-    peft_bf16 = _on_gpu(_peft_mistral(torch.bfloat16))
+    peft_bf16 = _peft_mistral(torch.bfloat16).cuda()
     fused_bf16 = copy.deepcopy(peft_bf16)
     install_fused_lora(fused_bf16, zero_stage=2)
     _, peft_grads = _loss_and_grads(peft_bf16, ids)
@@ -39,7 +35,7 @@ def test_cuda_dropout_mask_survives_recomputation():
     ids = torch.randint(0, 128, (4, 64), generator=torch.Generator().manual_seed(4)).cuda()
     results = []
     for checkpointing in (False, True):
-        model = _on_gpu(_peft_mistral(torch.float32, dropout=0.3))
+        model = _peft_mistral(torch.float32, dropout=0.3).cuda()
         install_fused_lora(model, zero_stage=0)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
