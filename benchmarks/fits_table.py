@@ -33,7 +33,8 @@ def cell(kind: str, gpus: int, gib: int, cpu_gib: float, measured: dict) -> str:
         plan = plan_memory(recipe, model_config, "auto", gpus, gib, cpu_gib * GIB, gpus)
     except ConfigError:
         return "does not fit"
-    text = f"{settings(plan.deepspeed, plan.activation_checkpointing, plan.micro_batch_size)}: est. {plan.estimated_gib:.1f}"
+    text = (f"{settings(plan.deepspeed, plan.activation_checkpointing, plan.micro_batch_size, plan.recompute_layers)}: "
+            f"est. {plan.estimated_gib:.1f}")
     m = measured.get((kind, gpus, gib))
     if m is None:
         return text
@@ -43,8 +44,8 @@ def cell(kind: str, gpus: int, gib: int, cpu_gib: float, measured: dict) -> str:
     return text + f" (ran as {ran}: est. {m['estimated_gib']:.1f}, **measured {m['peak_allocated_gib']:.1f}**)"
 
 
-def settings(deepspeed: str, checkpointing: str, micro_batch: int) -> str:
-    recompute = {"none": "no", "selective": "selective", "full": "full"}[checkpointing]
+def settings(deepspeed: str, checkpointing: str, micro_batch: int, recompute_layers: int | None = None) -> str:
+    recompute = {"none": "no", "selective": f"{recompute_layers or 16}/32 layers", "full": "full"}[checkpointing]
     return f"{SHORT[os.path.basename(deepspeed)]}, {recompute} recompute, mb {micro_batch}"
 
 

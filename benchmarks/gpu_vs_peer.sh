@@ -8,8 +8,9 @@ if [ -z "${SKIP_KERNEL_TEST:-}" ]; then
   python -m pytest -q -s -p no:cacheprovider tests/test_gpu_kernels.py tests/test_gpu_fused_lora.py 2>&1 | grep -v "^\[" | tail -4 | tee "$OUT/gpu_kernels.txt"
 fi
 name=${VP_NAME:-vp}  # several calls of one session: VP_NAME=a ..., VP_NAME=b ...
+# runs/$name/vs_peer.json carried back in (with --resume) continues a benchmark that a capped call cut short.
 python benchmarks/vs_peer.py --model /tmp/init --tokenizer .gpu/tokenizer --data /tmp/syn.jsonl --gpus "${GPUS:-2}" \
-  --out "/tmp/$name" "$@"
+  --out "runs/$name" "$@"
 # The device returns at most 8 files: one archive per call (vs_peer.json, logs, each zerotune run's metrics and plan).
-rm -rf /tmp/"$name"/*/.cache && tar czf "$OUT/$name.tgz" -C /tmp "$name"
+rm -rf runs/"$name"/*/.cache && tar czf "$OUT/$name.tgz" -C runs "$name"
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader | head -1

@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -39,8 +40,10 @@ def issue_flops_per_token(seq: int) -> float:
     return 6 * 7_241_732_096 + 12 * 32 * 4096 * seq
 
 
-def launch(script: list[str], gpus: int, log: str, timeout: int) -> tuple[int, str]:
+def launch(script: list[str], gpus: int, log: str, timeout: int) -> tuple[int, str, float]:
+    """(exit code, the log's last lines, wall seconds) of one `deepspeed` launch."""
     cmd = ["deepspeed", "--num_gpus", str(gpus), "--master_addr", "127.0.0.1", "--master_port", str(free_port())] + script
+    start = time.monotonic()
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
@@ -50,7 +53,7 @@ def launch(script: list[str], gpus: int, log: str, timeout: int) -> tuple[int, s
             code = 124
     with open(log) as f:
         tail = "".join(f.readlines()[-15:])
-    return code, tail
+    return code, tail, round(time.monotonic() - start, 1)
 
 
 def run_zerotune(config: str, a: argparse.Namespace, variant: list[str] | None = None) -> dict:
@@ -80,8 +83,8 @@ def run_zerotune(config: str, a: argparse.Namespace, variant: list[str] | None =
               "train.grad_accum=1", f"train.max_steps={a.steps}", "optim.warmup_steps=2", f"train.output_dir={out}",
               "train.overwrite=true", "train.sample_prompt=null", "train.export=false", "train.save_every=0",
               "train.log_every=1"] + sets
-    code, tail = launch(script, a.gpus, out + ".log", a.timeout)
-    result = {"system": system, "config": config, "exit": code}
+    code, tail, wall = launch(script, a.gpus, out + ".log", a.timeout)
+    result = {"system": system, "config": config, "exit": code, "wall_s": wall}
     metrics = os.path.join(out, "metrics.jsonl")
     steps = [json.loads(x) for x in open(metrics) if '"loss"' in x] if os.path.exists(metrics) else []
     timed = steps[a.skip:]
@@ -99,7 +102,10 @@ def _settings(run_dir: str) -> str:
 
     recipe = yaml.safe_load(open(os.path.join(run_dir, "recipe.yaml")))
     liger = "kernels: liger" in open(run_dir + ".log").read()
-    return (f"ckpt {recipe['model']['activation_checkpointing']}, liger {'on' if liger else 'off'}, "
+    ckpt = recipe["model"]["activation_checkpointing"]
+    if recipe["model"].get("recompute_layers"):
+        ckpt += f" {recipe['model']['recompute_layers']}/32"
+    return (f"ckpt {ckpt}, liger {'on' if liger else 'off'}, "
             f"mbs {recipe['train']['micro_batch_size']}x{recipe['train']['grad_accum']}")
 
 
@@ -110,8 +116,9 @@ def run_peer(system: str, config: str, a: argparse.Namespace) -> dict:
     script = ["benchmarks/peer_hf_trainer.py", "--model", a.model, "--zero", zero[-1], "--micro-batch", str(mbs),
               "--grad-accum", str(ga), "--checkpointing", ckpt, "--liger", liger, "--seq", str(a.seq),
               "--steps", str(a.steps), "--skip", str(a.skip), "--out", out + ".json"] + (["--lora"] if kind == "lora" else [])
-    code, tail = launch(script, a.gpus, out + ".log", a.timeout)
-    result = {"system": system, "config": config, "exit": code, "settings": f"ckpt {ckpt}, liger {liger}, mbs {mbs}x{ga}"}
+    code, tail, wall = launch(script, a.gpus, out + ".log", a.timeout)
+    result = {"system": system, "config": config, "exit": code, "wall_s": wall,
+              "settings": f"ckpt {ckpt}, liger {liger}, mbs {mbs}x{ga}"}
     if code != 0 or not os.path.exists(out + ".json"):
         return {**result, "error": tail}
     measured = json.load(open(out + ".json"))
@@ -189,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--skip", type=int, default=4)
     p.add_argument("--timeout", type=int, default=600, help="seconds per run")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs already in OUT/vs_peer.json that succeeded and run only the rest (a machine "
+                        "that caps each command's time runs the benchmark as the same command, repeated)")
     p.add_argument("--table", nargs="+", metavar="JSON", help="only merge these result files and print the table")
     p.add_argument("--plot", metavar="PNG", help="with --table: also draw the bars")
     a = p.parse_args(argv)
@@ -202,23 +212,51 @@ def main(argv: list[str] | None = None) -> int:
             plot(list(merged.values()), a.plot)
         return 0
     os.makedirs(a.out, exist_ok=True)
+    out_json = os.path.join(a.out, "vs_peer.json")
     results = []
+    if a.resume and os.path.exists(out_json):
+        results = [r for r in json.load(open(out_json))["runs"] if "tokens_per_s_per_gpu" in r]
+        print(f"resuming: {len(results)} run(s) already measured in {out_json}", flush=True)
+    done = {(r["system"], r["config"]) for r in results}
+    started = time.monotonic()
     for config in a.configs:
         for system in a.systems:
             if system == "peer_best" and "peer_default" in a.systems and PEER["peer_best"][config] == PEER["peer_default"][config]:
                 continue  # the same settings: measured once, as the default
-            runs = [run_zerotune(config, a)] if system == "zerotune" else [run_peer(system, config, a)]
-            if system == "zerotune":
-                runs += [run_zerotune(config, a, v) for v in a.variant or []]
-            for r in runs:
+            jobs = [(system, None)] + [(f"zerotune:{v[0]}", v) for v in (a.variant or []) if system == "zerotune"]
+            for name, variant in jobs:
+                if (name, config) in done:
+                    continue
+                r = run_zerotune(config, a, variant) if system == "zerotune" else run_peer(system, config, a)
                 results.append(r)
                 print(f"{r['system']} {config}: " + (
                     f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU, {r['peak_mem_gib']:.1f} GiB"
-                    if "tokens_per_s_per_gpu" in r else f"failed, exit {r['exit']}\n{r['error']}"), flush=True)
-                with open(os.path.join(a.out, "vs_peer.json"), "w") as f:
-                    json.dump({"runs": results, "seq": a.seq, "gpus": a.gpus, "steps": a.steps, "skip": a.skip}, f, indent=2)
+                    if "tokens_per_s_per_gpu" in r else f"failed, exit {r['exit']}\n{r['error']}")
+                      + f" ({r['wall_s']:.0f} s; {time.monotonic() - started:.0f} s since start)", flush=True)
+                with open(out_json, "w") as f:
+                    json.dump({"runs": results, "seq": a.seq, "gpus": a.gpus, "steps": a.steps, "skip": a.skip,
+                               "versions": versions()}, f, indent=2)
     print(table(results, a.seq))
     return 0
+
+
+def versions() -> dict[str, str]:
+    """What the figures were measured with: the packages, the GPU and its driver."""
+    from importlib import metadata
+
+    found = {}
+    for package in ("torch", "deepspeed", "transformers", "peft", "liger-kernel", "triton"):
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = "absent"
+    try:
+        found["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,power.limit",
+                                       "--format=csv,noheader"], capture_output=True, text=True,
+                                      timeout=30).stdout.splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        found["gpu"] = "unknown"
+    return found
 
 
 if __name__ == "__main__":

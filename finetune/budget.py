@@ -9,7 +9,8 @@ The rules, fastest first:
 2. micro-batches divide the recipe's rows per GPU per step (micro_batch_size x grad_accum), so the batch per step, the
    data order and the loss curve stay the recipe's; grad_accum takes the rest;
 3. ZeRO-0/1/2 on the GPU: the least recomputation (none, selective, full) at a micro-batch of 2 or more, the largest
-   first; micro-batch 1 only when nothing larger fits. Measured on one H200 (Mistral-7B LoRA, ZeRO-2, 2,048-token
+   first; micro-batch 1 only when nothing larger fits. Selective recomputes the fewest layers that fit
+   (model.recompute_layers, unless the recipe fixes it): each recomputed layer costs a layer's forward GEMMs. Measured on one H200 (Mistral-7B LoRA, ZeRO-2, 2,048-token
    rows): no recomputation at micro-batch 1 ran 7.1K tok/s/GPU, at micro-batch 2 10.7K, full recomputation at 4 7.7K.
 4. ZeRO-3 and offloading pay per micro-batch (weight gathers; the CPU optimizer step is fixed per step while the GPU
    work shrinks): the largest micro-batch first, then the least recomputation. Measured on 2xH200, full fine-tune:
@@ -26,9 +27,8 @@ from typing import Any
 
 from finetune.config import ConfigError, Recipe
 from finetune.ds_config import load_ds_json, offloads_optimizer, resolve_ds_config, zero_stage
-from finetune.estimate import FIT_FRACTION, GIB, SHIPPED, SPEED_ORDER, display_path, estimate_run, shipped_dir
-
-CHECKPOINTING = ("none", "selective", "full")
+from finetune.estimate import (FIT_FRACTION, GIB, SHIPPED, SPEED_ORDER, display_path, estimate_run, recomputed_layers,
+                               shipped_dir)
 
 
 @dataclass
@@ -42,10 +42,16 @@ class MemoryPlan:
     cpu_gib_per_node: float
     passed_over: list[str] = field(default_factory=list)
     """Faster choices that did not fit, with their estimated peak."""
+    recompute_layers: int | None = None
+    """Under selective checkpointing: how many decoder layers are recomputed (of `layers`)."""
+    layers: int = 0
+
+    def checkpointing_text(self) -> str:
+        return describe_checkpointing(self.activation_checkpointing, self.recompute_layers, self.layers)
 
     def summary(self) -> str:
         lines = [f"memory plan ({self.budget_gib:g} GiB per GPU, fits at <= {FIT_FRACTION:.0%}): {self.deepspeed}, "
-                 f"activation checkpointing {self.activation_checkpointing}, micro-batch {self.micro_batch_size} x "
+                 f"activation checkpointing {self.checkpointing_text()}, micro-batch {self.micro_batch_size} x "
                  f"grad_accum {self.grad_accum}; estimated peak {self.estimated_gib:.2f} GiB per GPU"
                  + (f", {self.cpu_gib_per_node:.0f} GiB CPU memory per node" if self.cpu_gib_per_node else "")]
         lines += [f"  passed over: {why}" for why in self.passed_over]
@@ -79,7 +85,8 @@ def fit(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, world: int
     except ValueError as e:  # the estimator does not know the model or LoRA targets
         raise ConfigError(f"train.gpu_memory_gib: {e}") from None
     dist.print0(plan.summary())
-    chosen = with_memory_choice(recipe, plan.activation_checkpointing, plan.micro_batch_size, plan.grad_accum)
+    chosen = with_memory_choice(recipe, plan.activation_checkpointing, plan.micro_batch_size, plan.grad_accum,
+                                plan.recompute_layers)
     return chosen, plan.deepspeed, plan
 
 
@@ -117,12 +124,13 @@ def plan_memory(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, wo
     whose offloaded states fit the node's memory; a ConfigError naming the smallest option when nothing fits."""
     rows_per_step = recipe.train.micro_batch_size * recipe.train.grad_accum
     micro_batches = [m for m in range(rows_per_step, 0, -1) if rows_per_step % m == 0]
+    layers = model_config["num_hidden_layers"]
     limit = FIT_FRACTION * budget_gib * GIB
     passed_over, smallest = [], None
     for path in candidate_configs(deepspeed):
         name = display_path(path)
-        for checkpointing, mbs in preference(path, micro_batches):
-            trial = with_memory_choice(recipe, checkpointing, mbs, rows_per_step // mbs)
+        for checkpointing, mbs, recompute in preference(path, micro_batches, layers, recipe.model.recompute_layers):
+            trial = with_memory_choice(recipe, checkpointing, mbs, rows_per_step // mbs, recompute)
             ds = resolve_ds_config(path, trial, world, model_config["hidden_size"], recipe_path,
                                    vocab_size=model_config["vocab_size"])
             row = estimate_run(model_config, trial, ds, world)
@@ -133,10 +141,10 @@ def plan_memory(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, wo
                                    f"{cpu_bytes_per_node / GIB:.0f} GiB")
                 break
             if smallest is None or row["total"] < smallest[0]:
-                smallest = (row["total"], name, checkpointing, mbs)
+                smallest = (row["total"], name, describe_checkpointing(checkpointing, recompute, layers), mbs)
             if row["total"] <= limit:
                 return MemoryPlan(name, checkpointing, mbs, rows_per_step // mbs, row["total"] / GIB, budget_gib,
-                                  cpu_node / GIB, passed_over)
+                                  cpu_node / GIB, passed_over, recompute, layers)
         else:
             passed_over.append(f"{name}: {row['total'] / GIB:.2f} GiB at its smallest (checkpointing full, micro-batch 1)")
     advice = ("Lower data.max_seq_len, use LoRA, add GPUs, or offload to NVMe (ds_configs/zero3_nvme.json with "
@@ -151,21 +159,35 @@ def plan_memory(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, wo
         + (f" (CPU memory rules out {'; '.join(host)})" if host else "") + f". {advice}")
 
 
-def preference(path: str, micro_batches: list[int]) -> list[tuple[str, int]]:
-    """(checkpointing, micro-batch) options of one DeepSpeed file, most preferred first (see the module's rules)."""
+def preference(path: str, micro_batches: list[int], layers: int,
+               recompute_layers: int | None = None) -> list[tuple[str, int, int | None]]:
+    """(checkpointing, micro-batch, recomputed layers) options of one DeepSpeed file, most preferred first (see the
+    module's rules). Selective comes as every layer count from 1 up (or the recipe's), so the first that fits
+    recomputes the fewest."""
+    counts = [recompute_layers] if recompute_layers else list(range(1, layers))
+    least_first = [("none", None), *(("selective", k) for k in counts), ("full", None)]
     raw = load_ds_json(path)
     if zero_stage(raw) == 3 or offloads_optimizer(raw):  # they pay per micro-batch
-        return [(c, m) for m in micro_batches for c in CHECKPOINTING]
-    options = [(c, m) for c in CHECKPOINTING for m in micro_batches if m > 1 or len(micro_batches) == 1]
-    return options + [(c, 1) for c in CHECKPOINTING if len(micro_batches) > 1]
+        return [(c, m, k) for m in micro_batches for c, k in least_first]
+    options = [(c, m, k) for c, k in least_first for m in micro_batches if m > 1 or len(micro_batches) == 1]
+    return options + [(c, 1, k) for c, k in least_first if len(micro_batches) > 1]
 
 
-def with_memory_choice(recipe: Recipe, checkpointing: str, micro_batch_size: int, grad_accum: int) -> Recipe:
+def with_memory_choice(recipe: Recipe, checkpointing: str, micro_batch_size: int, grad_accum: int,
+                       recompute_layers: int | None = None) -> Recipe:
     return dataclasses.replace(
         recipe,
-        model=dataclasses.replace(recipe.model, activation_checkpointing=checkpointing),
+        model=dataclasses.replace(recipe.model, activation_checkpointing=checkpointing,
+                                  recompute_layers=recompute_layers if checkpointing == "selective" else None),
         train=dataclasses.replace(recipe.train, micro_batch_size=micro_batch_size, grad_accum=grad_accum),
     )
+
+
+def describe_checkpointing(checkpointing: str, recompute_layers: int | None, layers: int) -> str:
+    """`selective (4 of 32 layers recomputed)`; none and full as they are."""
+    if checkpointing != "selective" or not layers:
+        return checkpointing
+    return f"selective ({len(recomputed_layers('selective', layers, recompute_layers))} of {layers} layers recomputed)"
 
 
 def check_host_memory(row: dict[str, Any], ranks_per_node: int, total: float | None,

@@ -17,6 +17,8 @@ import subprocess
 import sys
 from typing import Any
 
+from finetune.budget import describe_checkpointing
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OWNED = ("train.output_dir", "train.max_steps")  # compare sets these; --out and --steps say them once for every stage
 BF16_TOLERANCE, FP32_TOLERANCE = 2e-2, 1e-4
@@ -187,7 +189,9 @@ def write_summary(out: str, runs: list[dict[str, Any]], meta: dict[str, Any]) ->
             continue
         mfu = None if r["mfu"] is None else 100 * r["mfu"]
         plan = r.get("plan")
-        chosen = (f"{os.path.basename(plan['deepspeed'])}, checkpointing {plan['activation_checkpointing']}, "
+        recompute = plan and describe_checkpointing(plan["activation_checkpointing"], plan.get("recompute_layers"),
+                                                    plan.get("layers", 0))
+        chosen = (f"{os.path.basename(plan['deepspeed'])}, checkpointing {recompute}, "
                   f"micro-batch {plan['micro_batch_size']} x {plan['grad_accum']}" if plan else "")
         lines.append(
             f"| {r['name']} | {r['stage']} | {'yes' if r['offload'] else 'no'} | {chosen} | {_fmt(r['tokens_per_s_per_gpu'], ',.0f')} "

@@ -38,9 +38,12 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
     """`sdpa`, `eager` or `flash_attention_2` (packing stays leak-free with each: masks or varlen from position_ids)."""
     activation_checkpointing: Literal["auto", "none", "selective", "full"] = "auto"
-    """`full` recomputes every decoder layer in backward, `selective` every second one, `none` keeps all activations;
-    `auto`: on a GPU, the least recomputation (and the micro-batch) that fits its memory, from the estimator
-    (finetune/budget.py); without a GPU, `none`."""
+    """`full` recomputes every decoder layer in backward, `selective` `recompute_layers` of them, `none` keeps all
+    activations; `auto`: on a GPU, the least recomputation (and the micro-batch) that fits its memory, from the
+    estimator (finetune/budget.py); without a GPU, `none`."""
+    recompute_layers: int | None = None
+    """Decoder layers recomputed under `selective`, spread evenly over the model; null = every second one, or under
+    `auto` the fewest that fit the GPU (each layer kept costs memory, each recomputed one a layer's forward GEMMs)."""
     fused_loss: bool = True
     """Compute the output layer and the loss a chunk of tokens at a time, never holding the whole logits (finetune/loss.py)."""
     kernels: Literal["auto", "liger", "none"] = "auto"
@@ -162,6 +165,12 @@ class Recipe:
             (self.train.micro_batch_size > 0, "train.micro_batch_size must be > 0"),
             (self.train.grad_accum > 0, "train.grad_accum must be > 0"),
             (self.data.max_seq_len > 1, "data.max_seq_len must be > 1"),
+            (self.model.recompute_layers is None or self.model.recompute_layers > 0,
+             "model.recompute_layers must be > 0 (decoder layers recomputed under selective checkpointing), or null"),
+            (self.model.recompute_layers is None or self.model.activation_checkpointing in ("selective", "auto"),
+             f"model.recompute_layers applies to activation_checkpointing selective (or auto), not "
+             f"{self.model.activation_checkpointing!r}: set model.activation_checkpointing=selective, or "
+             f"model.recompute_layers=null"),
             (0.0 <= self.data.eval_fraction < 1.0, "data.eval_fraction must be in [0, 1)"),
             (len(self.optim.betas) == 2, "optim.betas must be two numbers, e.g. [0.9, 0.95]"),
             (self.optim.lr > 0, "optim.lr must be > 0"),

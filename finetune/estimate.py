@@ -185,23 +185,36 @@ def _layer_bytes(cfg: dict[str, Any], lora: dict[str, Any] | None, seq_len: int,
     return norms + attention + mlp + adapters
 
 
+def recomputed_layers(checkpointing: str, layers: int, recompute_layers: int | None = None) -> list[int]:
+    """The decoder layers recomputed in backward: none; all (full); `recompute_layers` of them spread evenly, layer 0
+    first (selective; null = every second one: 0, 2, 4...)."""
+    if checkpointing not in ("none", "selective", "full"):
+        raise ValueError(f"checkpointing must be none, selective or full, got {checkpointing!r}")
+    if checkpointing != "selective":
+        return list(range(layers)) if checkpointing == "full" else []
+    if recompute_layers is None:
+        return list(range(0, layers, 2))
+    if not 0 < recompute_layers <= layers:
+        raise ValueError(f"model.recompute_layers={recompute_layers}: the model has {layers} decoder layers, so "
+                         f"selective checkpointing recomputes 1 to {layers} of them")
+    return [j * layers // recompute_layers for j in range(recompute_layers)]
+
+
 def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: int, micro_batch: int,
                          checkpointing: str = "full", dtype_bytes: int = 2, attn_implementation: str = "sdpa",
                          packing: bool = True, dropout_mask_bytes: int = 1,
                          adapter_dtype_bytes: int | None = None, fused_loss: bool = False,
-                         liger: bool = False) -> dict[str, float]:
+                         liger: bool = False, recompute_layers: int | None = None) -> dict[str, float]:
     """Activation bytes of one micro-batch (rows of seq_len tokens) per GPU, at the peak of backward.
 
     checkpointing: none keeps every layer's activations; full keeps each layer's input and recomputes one layer at a
-    time in backward; selective (zerotune's) recomputes every second layer. The loss adds the 16-bit logits kept by the
+    time in backward; selective recomputes `recompute_layers` of them (recomputed_layers). The loss adds the 16-bit logits kept by the
     training loop, their fp32 copy and the fp32 log-softmax (10 bytes per vocabulary entry per token in bf16).
     dropout_mask_bytes: CUDA's dropout keeps a bool mask; the CPU kernel keeps one in the input's dtype.
     adapter_dtype_bytes: the LoRA adapters' width when it differs from the activations' (fp32 under ZeRO-0's autocast).
     fused_loss (finetune/loss.py): one chunk of rows' logits at a time; the gradients of the head's input (and of its
     weight, when trained: an fp32 sum while it is built) are computed in forward and held until backward.
     """
-    if checkpointing not in ("none", "selective", "full"):
-        raise ValueError(f"checkpointing must be none, selective or full, got {checkpointing!r}")
     lora = _lora(lora_cfg)
     h, _, q, _, layers, vocab = _dims(config_dict)
     tokens = seq_len * micro_batch
@@ -209,8 +222,8 @@ def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: in
     layer_args = (config_dict, lora, seq_len, d, attn_implementation, packing, dropout_mask_bytes, adapter_dtype_bytes or d)
     per_layer = _layer_bytes(*layer_args, liger=liger)
     first = _layer_bytes(*layer_args, first=True, liger=liger) if lora is not None else per_layer
-    kept = {"none": layers, "selective": layers // 2, "full": 0}[checkpointing]  # layers 1, 3, 5... are not recomputed
-    recomputed = layers - kept
+    recomputed = len(recomputed_layers(checkpointing, layers, recompute_layers))  # layer 0 among them, if any
+    kept = layers - recomputed
     if lora is not None and checkpointing == "none":
         saved_layers = first + (layers - 1) * per_layer
     else:
@@ -284,7 +297,8 @@ def estimate_run(model_config: dict[str, Any], recipe, ds: dict[str, Any], world
     acts = estimate_activations(model_config, lora, recipe.data.max_seq_len, recipe.train.micro_batch_size,
                                 recipe.model.activation_checkpointing, act_bytes, recipe.model.attn_implementation,
                                 recipe.data.packing, adapter_dtype_bytes=adapter_bytes,
-                                fused_loss=recipe.model.fused_loss, liger=uses_liger(recipe.model.kernels))
+                                fused_loss=recipe.model.fused_loss, liger=uses_liger(recipe.model.kernels),
+                                recompute_layers=recipe.model.recompute_layers)
     buffers = estimate_buffers(model_config, ds, stage, weight_bytes)
     trained_bytes = adapter_bytes if lora is not None else weight_bytes
     step = step_gradients(states, stage, world, trained_bytes, offload_optimizer, zero.get("sub_group_size", 10**9))

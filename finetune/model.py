@@ -46,6 +46,7 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, ds_config: dict[st
     from transformers.integrations import HfDeepSpeedConfig
 
     from finetune import dist, kernels
+    from finetune.estimate import recomputed_layers
     from finetune.fused_lora import install_fused_lora
     from finetune.loss import install_fused_loss
 
@@ -58,6 +59,11 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, ds_config: dict[st
     keepalive = HfDeepSpeedConfig(ds_config) if zero_stage(ds_config) == 3 else None
     config = AutoConfig.from_pretrained(model_cfg.path)
     config.use_cache = False
+    try:  # checked before loading: a wrong layer count must not cost a 7B load
+        recomputed = recomputed_layers(model_cfg.activation_checkpointing, config.num_hidden_layers,
+                                       model_cfg.recompute_layers)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if model_cfg.random_init or not has_weights(model_cfg.path):
         torch.manual_seed(model_cfg.init_seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=model_cfg.attn_implementation)
@@ -66,8 +72,7 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, ds_config: dict[st
             model_cfg.path, config=config, dtype=dtype, attn_implementation=model_cfg.attn_implementation
         )
     if model_cfg.activation_checkpointing != "none":
-        every = 1 if model_cfg.activation_checkpointing == "full" else 2
-        _enable_checkpointing(model, every)
+        _enable_checkpointing(model, recomputed)
     if lora_cfg.enabled:
         model = _apply_lora(model, lora_cfg, model_cfg.init_seed)
         if dtype != torch.float32:
@@ -85,20 +90,21 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, ds_config: dict[st
     return model, keepalive
 
 
-def _enable_checkpointing(model, every_n_layers: int) -> None:
-    """Recompute every `every_n_layers`-th decoder layer in backward.
+def _enable_checkpointing(model, recomputed: list[int]) -> None:
+    """Recompute the decoder layers at these indices in backward; the others keep their activations.
 
     Non-reentrant checkpointing works with frozen LoRA bases and ZeRO-3's parameter hooks. transformers >= 5.20
-    names it activation_checkpointing_enable (with every_n_layers); older 5.x only has gradient_checkpointing_enable.
+    names it activation_checkpointing_enable; older 5.x only has gradient_checkpointing_enable. Both set the flag on
+    every layer, which is then cleared on the layers that keep their activations.
     """
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
-        return
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    chosen = set(recomputed)
     for i, layer in enumerate(model.model.layers):
-        if i % every_n_layers:
-            layer.gradient_checkpointing = False
+        layer.gradient_checkpointing = i in chosen
 
 
 def _apply_lora(model, cfg: LoraConfig, seed: int):

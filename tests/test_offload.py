@@ -41,6 +41,7 @@ def runs(tmp_path_factory):
     plan = plan_memory(load_recipe(TINY_RECIPE, budget), json.load(open(TINY_CONFIG)), "auto", 2, BUDGET_GIB, None, 2)
     by_hand = overrides(model_dir, str(tmp / "by_hand"), False, 2) + [
         f"model.activation_checkpointing={plan.activation_checkpointing}",
+        f"model.recompute_layers={'null' if plan.recompute_layers is None else plan.recompute_layers}",
         f"train.micro_batch_size={plan.micro_batch_size}", f"train.grad_accum={plan.grad_accum}"]
     cases.append({"name": "by_hand", "config": TINY_RECIPE, "deepspeed": os.path.join(ROOT, plan.deepspeed),
                   "overrides": by_hand})
