@@ -40,15 +40,17 @@ def issue_flops_per_token(seq: int) -> float:
     return 6 * 7_241_732_096 + 12 * 32 * 4096 * seq
 
 
-def launch(script: list[str], gpus: int, log: str, timeout: int) -> tuple[int, str, float]:
-    """(exit code, the log's last lines, wall seconds) of one `deepspeed` launch."""
+def launch(script: list[str], gpus: int, log: str, timeout: int,
+           env: dict[str, str] | None = None) -> tuple[int, str, float]:
+    """(exit code, the log's last lines, wall seconds) of one `deepspeed` launch; `env` adds variables."""
     cmd = ["deepspeed", "--num_gpus", str(gpus), "--master_addr", "127.0.0.1", "--master_port", str(free_port())] + script
     start = time.monotonic()
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
         try:
-            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT).returncode
+            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT,
+                                  env={**os.environ, **(env or {})}).returncode
         except subprocess.TimeoutExpired:
             code = 124
     with open(log) as f:
@@ -57,14 +59,15 @@ def launch(script: list[str], gpus: int, log: str, timeout: int) -> tuple[int, s
 
 
 def run_zerotune(config: str, a: argparse.Namespace, variant: list[str] | None = None) -> dict:
-    """zerotune at its defaults, or (variant = [label, key=value, ...]) an A/B row: recipe overrides, and
-    `ds.<path>=<json value>` edits of a copy of the DeepSpeed file."""
+    """zerotune at its defaults, or (variant = [label, key=value, ...]) an A/B row: recipe overrides,
+    `ds.<path>=<json value>` edits of a copy of the DeepSpeed file, and `env.<NAME>=<value>` environment variables."""
     kind, zero = config.split("_")
     system = "zerotune" if not variant else f"zerotune:{variant[0]}"
     out = os.path.join(a.out, system.replace(":", "_") + f"_{config}")
     ds_file = f"ds_configs/{zero}.json"
-    sets = [v for v in (variant or [])[1:] if not v.startswith("ds.")]
+    sets = [v for v in (variant or [])[1:] if not v.startswith(("ds.", "env."))]
     ds_sets = [v[3:] for v in (variant or [])[1:] if v.startswith("ds.")]
+    env = dict(v[4:].split("=", 1) for v in (variant or [])[1:] if v.startswith("env."))
     if ds_sets:
         ds = json.load(open(os.path.join(ROOT, ds_file)))
         for item in ds_sets:
@@ -83,7 +86,7 @@ def run_zerotune(config: str, a: argparse.Namespace, variant: list[str] | None =
               "train.grad_accum=1", f"train.max_steps={a.steps}", "optim.warmup_steps=2", f"train.output_dir={out}",
               "train.overwrite=true", "train.sample_prompt=null", "train.export=false", "train.save_every=0",
               "train.log_every=1"] + sets
-    code, tail, wall = launch(script, a.gpus, out + ".log", a.timeout)
+    code, tail, wall = launch(script, a.gpus, out + ".log", a.timeout, env)
     result = {"system": system, "config": config, "exit": code, "wall_s": wall}
     metrics = os.path.join(out, "metrics.jsonl")
     steps = [json.loads(x) for x in open(metrics) if '"loss"' in x] if os.path.exists(metrics) else []
@@ -190,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", nargs="+", default=["zerotune", "peer_default", "peer_best"],
                    choices=["zerotune", "peer_default", "peer_best"])
     p.add_argument("--variant", nargs="+", action="append", metavar="LABEL KEY=VALUE",
-                   help="also run zerotune with recipe overrides and ds.<path>=<json> DeepSpeed edits, as row "
-                        "zerotune:LABEL (A/B experiments; repeatable)")
+                   help="also run zerotune with recipe overrides, ds.<path>=<json> DeepSpeed edits and env.<NAME>=<value> "
+                        "variables, as row zerotune:LABEL (A/B experiments; repeatable)")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--skip", type=int, default=4)

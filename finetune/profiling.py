@@ -64,6 +64,29 @@ def step_profiler(enabled: bool, output_dir: str, step: int, is_main: bool = Tru
         write_report(prof, wall, cuda, output_dir, step)
 
 
+def timeline(kernels: list[tuple[float, float, bool]]) -> dict[str, float]:
+    """Where the device's time went, from (start, end, is_communication) intervals in seconds: `compute` while any
+    computing kernel runs; `exposed_comm` while only communication runs (overlapped communication costs nothing here,
+    though its kernels take SMs from the compute beside them); `idle` while nothing runs (the host is late: launches,
+    synchronisations, Python); `span` from the first kernel's start to the last one's end."""
+    def union(intervals):
+        merged: list[list[float]] = []
+        for start, end in sorted(intervals):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        return merged
+
+    if not kernels:
+        return {"span": 0.0, "compute": 0.0, "exposed_comm": 0.0, "idle": 0.0}
+    compute = union([(s, e) for s, e, comm in kernels if not comm])
+    busy = union([(s, e) for s, e, _ in kernels])
+    span = max(e for _, e, _ in kernels) - min(s for s, _, _ in kernels)
+    compute_s, busy_s = sum(e - s for s, e in compute), sum(e - s for s, e in busy)
+    return {"span": span, "compute": compute_s, "exposed_comm": busy_s - compute_s, "idle": span - busy_s}
+
+
 def write_report(prof, wall_s: float, cuda: bool, output_dir: str, step: int) -> dict:
     from torch.autograd import DeviceType
 
@@ -78,8 +101,11 @@ def write_report(prof, wall_s: float, cuda: bool, output_dir: str, step: int) ->
     for name, seconds, _ in rows:
         by_category[category(name)] = by_category.get(category(name), 0.0) + seconds
     busy = sum(by_category.values())
+    device_kernels = [(e.time_range.start / 1e6, e.time_range.end / 1e6, category(e.name) == "communication")
+                      for e in prof.events() if cuda and e.device_type == DeviceType.CUDA and is_kernel(e.name)]
     report = {
         "step": step, "wall_s": wall_s, "device": "cuda" if cuda else "cpu", "busy_s": busy,
+        "timeline_s": timeline(device_kernels),
         "categories_s": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
         "top": [{"name": n, "s": s, "calls": c, "category": category(n)} for n, s, c in sorted(rows, key=lambda r: -r[1])[:25]],
     }
@@ -89,6 +115,11 @@ def write_report(prof, wall_s: float, cuda: bool, output_dir: str, step: int) ->
     lines = [f"profile of step {step}: wall {wall_s:.3f} s, {report['device']} busy {busy:.3f} s "
              f"({busy / wall_s:.0%} of the wall time; kernels on several streams can overlap)", ""]
     lines += [f"  {cat:<16} {s:8.3f} s  {s / wall_s:6.1%}" for cat, s in report["categories_s"].items()]
+    t = report["timeline_s"]
+    if t["span"]:
+        lines += ["", f"device timeline: {t['span']:.3f} s from the first kernel to the last = compute "
+                      f"{t['compute']:.3f} s + communication alone {t['exposed_comm']:.3f} s + idle {t['idle']:.3f} s "
+                      f"(the profiler slows the host, so idle reads high)"]
     lines += ["", "top kernels (self time):"]
     lines += [f"  {r['s']:8.4f} s  {r['calls']:6d}x  [{r['category']}] {r['name'][:110]}" for r in report["top"]]
     with open(base + ".txt", "w") as f:

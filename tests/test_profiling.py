@@ -51,3 +51,13 @@ def test_annotations_mirroring_kernels_are_not_counted(name, counted):
     from finetune.profiling import is_kernel
 
     assert is_kernel(name) is counted
+
+
+def test_timeline_splits_the_span_into_compute_exposed_communication_and_idle():
+    """Two compute kernels (0-4, 3-6), a collective overlapping the second and running on alone (5-8), a gap (8-9),
+    then compute (9-10): compute 7 s, communication alone 2 s, idle 1 s, span 10 s."""
+    from finetune.profiling import timeline
+
+    t = timeline([(0, 4, False), (3, 6, False), (5, 8, True), (9, 10, False)])
+    assert t == {"span": 10, "compute": 7, "exposed_comm": 2, "idle": 1}
+    assert timeline([]) == {"span": 0.0, "compute": 0.0, "exposed_comm": 0.0, "idle": 0.0}
