@@ -45,7 +45,7 @@ def cell(kind: str, gpus: int, gib: int, cpu_gib: float, measured: dict) -> str:
 
 
 def settings(deepspeed: str, checkpointing: str, micro_batch: int, recompute_layers: int | None = None) -> str:
-    recompute = {"none": "no", "selective": f"{recompute_layers or 16}/32 layers", "full": "full"}[checkpointing]
+    recompute = {"none": "no", "selective": f"{recompute_layers or 16}/32-layer", "full": "full"}[checkpointing]
     return f"{SHORT[os.path.basename(deepspeed)]}, {recompute} recompute, mb {micro_batch}"
 
 

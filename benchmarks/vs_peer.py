@@ -202,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true",
                    help="keep the runs already in OUT/vs_peer.json that succeeded and run only the rest (a machine "
                         "that caps each command's time runs the benchmark as the same command, repeated)")
+    p.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
+                   help="start no run after this many seconds (then rerun with --resume for the rest)")
     p.add_argument("--table", nargs="+", metavar="JSON", help="only merge these result files and print the table")
     p.add_argument("--plot", metavar="PNG", help="with --table: also draw the bars")
     a = p.parse_args(argv)
@@ -230,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
             for name, variant in jobs:
                 if (name, config) in done:
                     continue
+                if a.stop_after is not None and time.monotonic() - started > a.stop_after:
+                    print(f"--stop-after {a.stop_after:g} s: {name} {config} and the runs after it are left for "
+                          f"--resume", flush=True)
+                    print(table(results, a.seq))
+                    return 3
                 r = run_zerotune(config, a, variant) if system == "zerotune" else run_peer(system, config, a)
                 results.append(r)
                 print(f"{r['system']} {config}: " + (

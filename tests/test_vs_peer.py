@@ -1,0 +1,83 @@
+"""benchmarks/vs_peer.py's bookkeeping, without GPUs: which runs one command makes, how --resume continues a run
+that --stop-after cut short, and how A/B variants reach the zerotune launch (recipe overrides, DeepSpeed edits,
+environment). The launches themselves are replaced by recorders: what they run is measured on the H200s
+(docs/benchmarks/vs_peer_2xh200.md)."""
+
+import argparse
+import json
+import os
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import vs_peer  # noqa: E402
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    calls = []
+
+    def fake_zerotune(config, a, variant=None):
+        name = "zerotune" if not variant else f"zerotune:{variant[0]}"
+        calls.append((name, config))
+        return {"system": name, "config": config, "exit": 0, "wall_s": 1.0, "tokens_per_s_per_gpu": 1000.0,
+                "peak_mem_gib": 1.0}
+
+    def fake_peer(system, config, a):
+        calls.append((system, config))
+        return {"system": system, "config": config, "exit": 0, "wall_s": 1.0, "tokens_per_s_per_gpu": 500.0,
+                "peak_mem_gib": 1.0}
+
+    monkeypatch.setattr(vs_peer, "run_zerotune", fake_zerotune)
+    monkeypatch.setattr(vs_peer, "run_peer", fake_peer)
+    return calls
+
+
+def test_one_command_runs_every_system_once_per_config(tmp_path, recorded):
+    assert vs_peer.main(["--out", str(tmp_path)]) == 0
+    # LoRA ZeRO-3's best settings are the peer's defaults: measured once
+    assert len(recorded) == 11 and len(set(recorded)) == 11 and ("peer_best", "lora_zero3") not in recorded
+    saved = json.loads((tmp_path / "vs_peer.json").read_text())
+    assert len(saved["runs"]) == 11 and set(saved["versions"]) >= {"torch", "deepspeed", "transformers", "gpu"}
+
+
+def test_stop_after_then_resume_completes_the_same_table(tmp_path, recorded, monkeypatch):
+    clock = iter(range(0, 10_000, 100))  # each look at the clock is 100 s later
+    monkeypatch.setattr(vs_peer.time, "monotonic", lambda: next(clock))
+    assert vs_peer.main(["--out", str(tmp_path), "--stop-after", "250"]) == 3
+    first = list(recorded)
+    assert 0 < len(first) < 11
+    failed = {"system": "peer_default", "config": "lora_zero3", "exit": 1, "error": "boom"}
+    saved = json.loads((tmp_path / "vs_peer.json").read_text())
+    saved["runs"].append(failed)  # a failed run is not kept: --resume runs it again
+    (tmp_path / "vs_peer.json").write_text(json.dumps(saved))
+    recorded.clear()
+    monkeypatch.setattr(vs_peer.time, "monotonic", lambda: 0.0)
+    assert vs_peer.main(["--out", str(tmp_path), "--resume"]) == 0
+    assert set(first).isdisjoint(recorded) and len(first) + len(recorded) == 11
+    runs = json.loads((tmp_path / "vs_peer.json").read_text())["runs"]
+    assert sorted((r["system"], r["config"]) for r in runs) == sorted(first + recorded)
+    assert all("error" not in r for r in runs)
+
+
+def test_variant_edits_reach_the_launch(tmp_path, monkeypatch):
+    launched = {}
+
+    def fake_launch(script, gpus, log, timeout, env=None):
+        launched.update(script=script, env=env)
+        return 1, "stopped here", 0.5
+
+    monkeypatch.setattr(vs_peer, "launch", fake_launch)
+    a = argparse.Namespace(out=str(tmp_path), model="m", tokenizer="t", data="d", seq=128, steps=3, skip=1, gpus=2,
+                           timeout=10)
+    result = vs_peer.run_zerotune("full_zero3", a, ["try", "model.recompute_layers=8",
+                                                   "ds.zero_optimization.reduce_bucket_size=200000000",
+                                                   "env.NCCL_MAX_NCHANNELS=4"])
+    assert result["system"] == "zerotune:try" and result["exit"] == 1 and result["error"] == "stopped here"
+    assert launched["script"][-1] == "model.recompute_layers=8" and launched["env"] == {"NCCL_MAX_NCHANNELS": "4"}
+    edited = json.load(open(launched["script"][launched["script"].index("--deepspeed") + 1]))
+    assert edited["zero_optimization"]["reduce_bucket_size"] == 200000000
+    assert edited["zero_optimization"]["stage"] == 3  # the rest of ds_configs/zero3.json is kept
