@@ -9,9 +9,11 @@ The rules, fastest first:
 2. micro-batches divide the recipe's rows per GPU per step (micro_batch_size x grad_accum), so the batch per step, the
    data order and the loss curve stay the recipe's; grad_accum takes the rest;
 3. ZeRO-0/1/2 on the GPU: the least recomputation (none, selective, full) at a micro-batch of 2 or more, the largest
-   first; micro-batch 1 only when nothing larger fits. Selective recomputes the fewest layers that fit
-   (model.recompute_layers, unless the recipe fixes it): each recomputed layer costs a layer's forward GEMMs. Measured on one H200 (Mistral-7B LoRA, ZeRO-2, 2,048-token
+   first; micro-batch 1 only when nothing larger fits. Measured on one H200 (Mistral-7B LoRA, ZeRO-2, 2,048-token
    rows): no recomputation at micro-batch 1 ran 7.1K tok/s/GPU, at micro-batch 2 10.7K, full recomputation at 4 7.7K.
+   Least recomputation: none, then selective with 1, 2, ... layers recomputed (model.recompute_layers, unless the
+   recipe fixes it), then full. Each recomputed layer costs its forward GEMMs again: full ZeRO-3 on 2xH200 ran 10.5K
+   tok/s/GPU recomputing 16 of 32 layers at micro-batch 8, 11.3K recomputing the 4 that the plan needs.
 4. ZeRO-3 and offloading pay per micro-batch (weight gathers; the CPU optimizer step is fixed per step while the GPU
    work shrinks): the largest micro-batch first, then the least recomputation. Measured on 2xH200, full fine-tune:
    ZeRO-3 with selective recomputation at micro-batch 2 ran 3.3K tok/s/GPU, with full recomputation at 4 6.2K;

@@ -208,8 +208,9 @@ def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: in
     """Activation bytes of one micro-batch (rows of seq_len tokens) per GPU, at the peak of backward.
 
     checkpointing: none keeps every layer's activations; full keeps each layer's input and recomputes one layer at a
-    time in backward; selective recomputes `recompute_layers` of them (recomputed_layers). The loss adds the 16-bit logits kept by the
-    training loop, their fp32 copy and the fp32 log-softmax (10 bytes per vocabulary entry per token in bf16).
+    time in backward; selective recomputes `recompute_layers` of them (recomputed_layers). The loss adds the 16-bit
+    logits kept by the training loop, their fp32 copy and the fp32 log-softmax (10 bytes per vocabulary entry per token
+    in bf16).
     dropout_mask_bytes: CUDA's dropout keeps a bool mask; the CPU kernel keeps one in the input's dtype.
     adapter_dtype_bytes: the LoRA adapters' width when it differs from the activations' (fp32 under ZeRO-0's autocast).
     fused_loss (finetune/loss.py): one chunk of rows' logits at a time; the gradients of the head's input (and of its
