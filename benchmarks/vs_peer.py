@@ -106,8 +106,9 @@ def _settings(run_dir: str) -> str:
     recipe = yaml.safe_load(open(os.path.join(run_dir, "recipe.yaml")))
     liger = "kernels: liger" in open(run_dir + ".log").read()
     ckpt = recipe["model"]["activation_checkpointing"]
-    if recipe["model"].get("recompute_layers"):
-        ckpt += f" {recipe['model']['recompute_layers']}/32"
+    if recipe["model"].get("recompute_layers"):  # of the model's layers (config.json)
+        layers = json.load(open(os.path.join(recipe["model"]["path"], "config.json")))["num_hidden_layers"]
+        ckpt += f" {recipe['model']['recompute_layers']}/{layers}"
     return (f"ckpt {ckpt}, liger {'on' if liger else 'off'}, "
             f"mbs {recipe['train']['micro_batch_size']}x{recipe['train']['grad_accum']}")
 

@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, TINY_CONFIG
+
+TINY_MODEL = os.path.dirname(TINY_CONFIG)
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import vs_peer  # noqa: E402
@@ -81,3 +83,15 @@ def test_variant_edits_reach_the_launch(tmp_path, monkeypatch):
     edited = json.load(open(launched["script"][launched["script"].index("--deepspeed") + 1]))
     assert edited["zero_optimization"]["reduce_bucket_size"] == 200000000
     assert edited["zero_optimization"]["stage"] == 3  # the rest of ds_configs/zero3.json is kept
+
+
+def test_settings_name_the_recomputed_layers_of_the_model(tmp_path):
+    import yaml
+
+    run = tmp_path / "zerotune_full_zero3"
+    run.mkdir()
+    (run / "recipe.yaml").write_text(yaml.safe_dump({
+        "model": {"activation_checkpointing": "selective", "recompute_layers": 4, "path": TINY_MODEL},
+        "train": {"micro_batch_size": 8, "grad_accum": 1}}))
+    (tmp_path / "zerotune_full_zero3.log").write_text("kernels: liger-kernel's RMSNorm, SwiGLU and RoPE\n")
+    assert vs_peer._settings(str(run)) == "ckpt selective 4/4, liger on, mbs 8x1"  # the tiny model has 4 layers
