@@ -18,7 +18,7 @@ sys.path.insert(0, ROOT)
 
 from finetune.budget import plan_memory  # noqa: E402
 from finetune.config import ConfigError, load_recipe  # noqa: E402
-from finetune.estimate import GIB  # noqa: E402
+from finetune.estimate import GIB, recomputed_layers  # noqa: E402
 
 SHORT = {"zero0.json": "ZeRO-0", "zero1.json": "ZeRO-1", "zero2.json": "ZeRO-2", "zero3.json": "ZeRO-3",
          "zero2_offload.json": "ZeRO-2 + CPU optimizer", "zero3_offload_optimizer.json": "ZeRO-3 + CPU optimizer",
@@ -33,19 +33,23 @@ def cell(kind: str, gpus: int, gib: int, cpu_gib: float, measured: dict) -> str:
         plan = plan_memory(recipe, model_config, "auto", gpus, gib, cpu_gib * GIB, gpus)
     except ConfigError:
         return "does not fit"
-    text = (f"{settings(plan.deepspeed, plan.activation_checkpointing, plan.micro_batch_size, plan.recompute_layers)}: "
-            f"est. {plan.estimated_gib:.1f}")
+    layers = model_config["num_hidden_layers"]
+    chosen = settings(plan.deepspeed, plan.activation_checkpointing, plan.micro_batch_size, layers,
+                      plan.recompute_layers)
+    text = f"{chosen}: est. {plan.estimated_gib:.1f}"
     m = measured.get((kind, gpus, gib))
     if m is None:
         return text
     # The runs were measured before the fused loss (model.fused_loss) and the planner's last rule change: say what ran,
     # with that run's own estimate.
-    ran = settings(m["deepspeed"], m["activation_checkpointing"], m["micro_batch_size"])
+    ran = settings(m["deepspeed"], m["activation_checkpointing"], m["micro_batch_size"], layers)
     return text + f" (ran as {ran}: est. {m['estimated_gib']:.1f}, **measured {m['peak_allocated_gib']:.1f}**)"
 
 
-def settings(deepspeed: str, checkpointing: str, micro_batch: int, recompute_layers: int | None = None) -> str:
-    recompute = {"none": "no", "selective": f"{recompute_layers or 16}/32-layer", "full": "full"}[checkpointing]
+def settings(deepspeed: str, checkpointing: str, micro_batch: int, layers: int,
+             recompute_layers: int | None = None) -> str:
+    recompute = {"none": "no", "full": "full"}.get(checkpointing) or \
+        f"{len(recomputed_layers('selective', layers, recompute_layers))}/{layers}-layer"
     return f"{SHORT[os.path.basename(deepspeed)]}, {recompute} recompute, mb {micro_batch}"
 
 

@@ -101,8 +101,9 @@ def write_report(prof, wall_s: float, cuda: bool, output_dir: str, step: int) ->
     for name, seconds, _ in rows:
         by_category[category(name)] = by_category.get(category(name), 0.0) + seconds
     busy = sum(by_category.values())
-    device_kernels = [(e.time_range.start / 1e6, e.time_range.end / 1e6, category(e.name) == "communication")
-                      for e in prof.events() if cuda and e.device_type == DeviceType.CUDA and is_kernel(e.name)]
+    device_kernels = [] if not cuda else [
+        (e.time_range.start / 1e6, e.time_range.end / 1e6, category(e.name) == "communication")
+        for e in prof.events() if e.device_type == DeviceType.CUDA and is_kernel(e.name)]
     report = {
         "step": step, "wall_s": wall_s, "device": "cuda" if cuda else "cpu", "busy_s": busy,
         "timeline_s": timeline(device_kernels),
