@@ -199,7 +199,12 @@ def test_unknown_format_lists_known_ones():
     assert {"text", "alpaca", "instruction_output", "interactions", "sharegpt", "messages"} <= set(listed)
 
 
-def test_duplicate_registration_fails():
+def test_duplicate_registration_fails(monkeypatch):
+    from finetune.data import registry
+
+    # Registered into copies: other tests in this process list the known formats and must not see "_test_dup".
+    monkeypatch.setattr(registry, "_FORMATS", dict(registry._FORMATS))
+    monkeypatch.setattr(registry, "_SCHEMAS", dict(registry._SCHEMAS))
     register("_test_dup")(lambda record, enc: None)
     with pytest.raises(ValueError, match="_test_dup.*already registered"):
         register("_test_dup")(lambda record, enc: None)
