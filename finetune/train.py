@@ -191,19 +191,23 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
         lr = optimizer.param_groups[0]["lr"]
         micro_batches = loader.step(step)
         n_targets = float(dist.all_reduce_sum(sum(int((mb["targets"] != -100).sum()) for mb in micro_batches)))
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        losses = []  # each micro-batch's summed token loss, left on the device: reading one would stall it
         with step_profiler(step + 1 == t.profile_step, t.output_dir, step + 1, dist.is_main()):
-            for mb in micro_batches:
+            for i, mb in enumerate(micro_batches):
                 token_sum = micro_batch_loss_sum(engine, mb, device, r.model.fused_loss)
-                if dist.all_reduce_max(0.0 if torch.isfinite(token_sum).item() else 1.0) > 0:
-                    _stop_on_nonfinite(engine, run, step, mb, token_sum)
+                losses.append(token_sum.detach())
+                watch = NonfiniteWatch(losses) if i == len(micro_batches) - 1 else None
                 # DeepSpeed divides by grad_accum and averages over ranks; undo both so the step's gradient is
                 # sum(token losses of the whole global batch) / (its number of target tokens).
                 engine.backward(token_sum * (world * t.grad_accum / max(n_targets, 1.0)))
+                # Asked once the backward is queued (the device keeps working), and before the optimizer step,
+                # which is what a non-finite loss must never reach.
+                if watch is not None and watch.found():
+                    _stop_on_nonfinite(engine, run, step, micro_batches, losses)
                 if own_clipping and engine.is_gradient_accumulation_boundary():
                     grad_norm = clip_grad_norm_exact(engine.module.parameters(), r.optim.grad_clip)
                 engine.step()
-                loss_sum += token_sum.detach().double().cpu()
+        loss_sum = torch.stack(losses).double().sum()
         lengths = [int(n) for mb in micro_batches for n in mb["sample_lengths"]]
         tokens = float(dist.all_reduce_sum(sum(lengths)))
         flops = float(dist.all_reduce_sum(training_flops(hf_config, lengths)))
@@ -272,15 +276,42 @@ class TrainingError(RuntimeError):
     """Training cannot go on; the message says where it stopped, what was saved and what to do."""
 
 
-def _stop_on_nonfinite(engine, run: Run, step: int, mb, token_sum) -> None:
-    """A NaN/inf loss on any rank: save the state at the start of this step (weights have not been updated by it)
-    and stop, naming the step and the samples of every rank that saw a non-finite loss. All ranks call this."""
+class NonfiniteWatch:
+    """Whether any rank's loss of this step is NaN or inf, without stalling the device: the flags are reduced over
+    the ranks and copied to the host behind the forward pass, and `found()` waits for that copy alone (by then the
+    backward is queued behind it). One host wait per step, where a check per micro-batch costs one each."""
+
+    def __init__(self, losses: list):
+        import torch
+
+        flag = (~torch.isfinite(torch.stack(losses))).any().to(torch.float32).reshape(1)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)  # NCCL: queued, the host goes on
+        self._event = None
+        if flag.is_cuda:
+            self._host = torch.empty(1, dtype=torch.float32, pin_memory=True)
+            self._host.copy_(flag, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = flag
+
+    def found(self) -> bool:
+        if self._event is not None:
+            self._event.synchronize()
+        return bool(self._host.item() > 0)
+
+
+def _stop_on_nonfinite(engine, run: Run, step: int, micro_batches: list, losses: list) -> None:
+    """A NaN/inf loss on any rank: save the state at the start of this step (the optimizer has not stepped; the
+    gradients of this step are dropped) and stop, naming the step and the samples of every rank that saw a
+    non-finite loss. All ranks call this."""
     import torch
 
     from finetune import dist
 
     t = run.recipe.train
-    bad = [] if torch.isfinite(token_sum).item() else mb["sample_ids"].tolist()
+    bad = [i for mb, loss in zip(micro_batches, losses) if not torch.isfinite(loss).item() for i in mb["sample_ids"].tolist()]
     width = int(dist.all_reduce_max(float(len(bad))))
     padded = torch.full((dist.world_size(), max(width, 1)), -1, dtype=torch.long)
     padded[dist.rank(), :len(bad)] = torch.tensor(bad, dtype=torch.long)
