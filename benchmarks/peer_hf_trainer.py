@@ -7,6 +7,11 @@ underneath) on Mistral-7B's shape, at its defaults or at hand-tuned settings. On
 Work per step is the same as zerotune's in benchmarks/vs_peer.py: rows of --seq tokens (no padding), the same rows
 per GPU per step, bf16, AdamW (the Trainer's default, torch's fused AdamW), lr 1e-5. Rank 0 writes the step times,
 tokens/s per GPU and the peak memory of each GPU to --out.
+
+A step's time is the wall time from the end of the step before to its own end, as zerotune's is (from the top of
+its step loop, data included, to the step's reduced sums): the Trainer fetches and collates a step's micro-batches
+and counts (and gathers) their target tokens before `on_step_begin`, so begin-to-end timing would leave that work
+out for the peer only. The begin-to-end times are kept too (`step_times_callback`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,25 @@ def ds_config(stage: int) -> dict:
         zero.update(allgather_bucket_size=2e8, reduce_scatter=True)
     return {"bf16": {"enabled": "auto"}, "zero_optimization": zero, "gradient_accumulation_steps": "auto",
             "gradient_clipping": "auto", "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"}
+
+
+class StepClock:
+    """Step times from the Trainer's step callbacks: `times` from the end of the step before to this step's end (the
+    first step: from its begin), `callback_times` from on_step_begin to on_step_end."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.callback_times: list[float] = []
+        self._begin: float | None = None
+        self._last_end: float | None = None
+
+    def begin(self, now: float) -> None:
+        self._begin = now
+
+    def end(self, now: float) -> None:
+        self.callback_times.append(now - self._begin)
+        self.times.append(now - (self._last_end if self._last_end is not None else self._begin))
+        self._last_end = now
 
 
 def main() -> None:
@@ -71,16 +95,16 @@ def main() -> None:
     ids = torch.randint(3, model.config.vocab_size, (rows, args.seq), generator=g)
     data = [{"input_ids": row, "labels": row} for row in ids]
 
-    times: list[float] = []
+    clock = StepClock()
 
     class Timer(TrainerCallback):
         def on_step_begin(self, *_, **__):
             torch.cuda.synchronize()
-            self.start = time.perf_counter()
+            clock.begin(time.perf_counter())
 
         def on_step_end(self, *_, **__):
             torch.cuda.synchronize()
-            times.append(time.perf_counter() - self.start)
+            clock.end(time.perf_counter())
 
     trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[Timer()],
                       data_collator=lambda b: {k: torch.stack([x[k] for x in b]) for k in b[0]})
@@ -89,11 +113,12 @@ def main() -> None:
     gathered = [torch.zeros_like(peak) for _ in range(world)]
     torch.distributed.all_gather(gathered, peak)
     if int(os.environ.get("RANK", "0")) == 0:
-        kept = times[args.skip:]
+        kept = clock.times[args.skip:]
         tokens_per_gpu = args.micro_batch * args.grad_accum * args.seq
         step_time = sum(kept) / len(kept)
         with open(args.out, "w") as f:
-            json.dump({"step_times": times, "step_time_s": step_time, "tokens_per_s_per_gpu": tokens_per_gpu / step_time,
+            json.dump({"step_times": clock.times, "step_times_callback": clock.callback_times, "step_time_s": step_time,
+                       "tokens_per_s_per_gpu": tokens_per_gpu / step_time,
                        "peak_mem_gib": max(float(t) for t in gathered), "args": vars(args)}, f, indent=2)
 
 

@@ -126,7 +126,12 @@ def run_peer(system: str, config: str, a: argparse.Namespace) -> dict:
     if code != 0 or not os.path.exists(out + ".json"):
         return {**result, "error": tail}
     measured = json.load(open(out + ".json"))
-    return {**result, "tokens_per_s_per_gpu": measured["tokens_per_s_per_gpu"], "peak_mem_gib": measured["peak_mem_gib"]}
+    result.update(tokens_per_s_per_gpu=measured["tokens_per_s_per_gpu"], peak_mem_gib=measured["peak_mem_gib"])
+    callback = measured.get("step_times_callback", [])[a.skip:]
+    if callback:  # the same steps timed from on_step_begin only (its data fetch and token count left out)
+        tokens_per_gpu_step = measured["tokens_per_s_per_gpu"] * measured["step_time_s"]
+        result["tokens_per_s_per_gpu_callback"] = tokens_per_gpu_step / (sum(callback) / len(callback))
+    return result
 
 
 def table(results: list[dict], seq: int = 2048) -> str:

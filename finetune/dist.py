@@ -131,13 +131,18 @@ def all_reduce_sum(value: float | torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce_max(value: float) -> float:
+    return all_reduce_max_each([value])[0]
+
+
+def all_reduce_max_each(values: list[float]) -> list[float]:
+    """The maximum over all ranks of each value, in one collective."""
     import torch
 
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         t = t.to(device())
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return float(t.cpu().item())
+    return t.cpu().tolist()
 
 
 def barrier() -> None:

@@ -186,11 +186,15 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
         sample(0)
     engine.train()
     end_step = min(t.max_steps, t.stop_at) if t.stop_at else t.max_steps
+    upcoming = None  # the next step's micro-batches and global target count, made while the device ends this step
     for step in range(start_step, end_step):
         start = time.perf_counter()
         lr = optimizer.param_groups[0]["lr"]
-        micro_batches = loader.step(step)
-        n_targets = float(dist.all_reduce_sum(sum(int((mb["targets"] != -100).sum()) for mb in micro_batches)))
+        if upcoming is None:
+            micro_batches = loader.step(step)
+            n_targets = float(dist.all_reduce_sum(_target_count(micro_batches)))
+        else:
+            micro_batches, n_targets = upcoming
         losses = []  # each micro-batch's summed token loss, left on the device: reading one would stall it
         with step_profiler(step + 1 == t.profile_step, t.output_dir, step + 1, dist.is_main()):
             for i, mb in enumerate(micro_batches):
@@ -207,16 +211,23 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
                 if own_clipping and engine.is_gradient_accumulation_boundary():
                     grad_norm = clip_grad_norm_exact(engine.module.parameters(), r.optim.grad_clip)
                 engine.step()
-        loss_sum = torch.stack(losses).double().sum()
+        # The host is ahead of the device here (the optimizer step is still running there): build the next step's
+        # micro-batches now, and reduce their target count with this step's sums in one collective, so the next
+        # step's first kernel follows this step's last without the device waiting for the host.
+        following = loader.step(step + 1) if step + 1 < end_step else None
         lengths = [int(n) for mb in micro_batches for n in mb["sample_lengths"]]
-        tokens = float(dist.all_reduce_sum(sum(lengths)))
-        flops = float(dist.all_reduce_sum(training_flops(hf_config, lengths)))
+        local = torch.tensor([sum(lengths), training_flops(hf_config, lengths), _target_count(following or [])],
+                             dtype=torch.float64, device=losses[0].device)
+        loss_sum = torch.stack(losses).double().sum().reshape(1)
+        loss_sum, tokens, flops, next_targets = dist.all_reduce_sum(torch.cat([loss_sum, local])).tolist()
+        upcoming = (following, next_targets) if following is not None else None
         elapsed = time.perf_counter() - start
         if not own_clipping:
             grad_norm = engine.get_global_grad_norm()
+        peak_gib, reserved_gib = dist.all_reduce_max_each([peak_memory_gib(), peak_reserved_gib()])
         record = {
             "step": step + 1,
-            "loss": float(dist.all_reduce_sum(loss_sum)) / max(n_targets, 1.0),
+            "loss": loss_sum / max(n_targets, 1.0),
             "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
             "tokens": int(tokens),
@@ -225,8 +236,8 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
             "tokens_per_s_per_gpu": tokens / elapsed / world,
             "mfu": flops / elapsed / world / (peak * 1e12) if peak else None,
             "step_time_s": elapsed,
-            "peak_mem_gib": dist.all_reduce_max(peak_memory_gib()),
-            "peak_reserved_gib": dist.all_reduce_max(peak_reserved_gib()),
+            "peak_mem_gib": peak_gib,
+            "peak_reserved_gib": reserved_gib,
         }
         records.append(record)
         log.write(record)
@@ -270,6 +281,11 @@ def micro_batch_loss_sum(engine, mb, device, fused: bool):
         return token_loss_sum(engine(**inputs).logits, targets)[0]
     with fused_loss(engine.module, targets):
         return engine(**inputs).logits
+
+
+def _target_count(micro_batches: list) -> int:
+    """This rank's number of trained tokens (targets that are not -100) in these micro-batches."""
+    return sum(int((mb["targets"] != -100).sum()) for mb in micro_batches)
 
 
 class TrainingError(RuntimeError):

@@ -95,3 +95,30 @@ def test_settings_name_the_recomputed_layers_of_the_model(tmp_path):
         "train": {"micro_batch_size": 8, "grad_accum": 1}}))
     (tmp_path / "zerotune_full_zero3.log").write_text("kernels: liger-kernel's RMSNorm, SwiGLU and RoPE\n")
     assert vs_peer._settings(str(run)) == "ckpt selective 4/4, liger on, mbs 8x1"  # the tiny model has 4 layers
+
+
+def test_peer_steps_are_timed_end_to_end_like_zerotunes():
+    """The peer's step time runs from the end of the step before (its data fetch and target count, done before
+    on_step_begin, are inside), and run_peer keeps the begin-to-end figure beside it."""
+    import peer_hf_trainer
+
+    clock = peer_hf_trainer.StepClock()
+    for begin, end in [(0.0, 2.0), (2.5, 4.0), (4.25, 5.5)]:  # 0.5 s and 0.25 s between the steps
+        clock.begin(begin)
+        clock.end(end)
+    assert clock.times == [2.0, 2.0, 1.5]
+    assert clock.callback_times == [2.0, 1.5, 1.25]
+
+
+def test_run_peer_reports_both_timings(tmp_path, monkeypatch):
+    def fake_launch(script, gpus, log, timeout, env=None):
+        out = script[script.index("--out") + 1]
+        json.dump({"step_times": [3.0, 2.0, 2.0], "step_times_callback": [3.0, 1.6, 1.6], "step_time_s": 2.0,
+                   "tokens_per_s_per_gpu": 8 * 2048 / 2.0, "peak_mem_gib": 50.0}, open(out, "w"))
+        return 0, "", 1.0
+
+    monkeypatch.setattr(vs_peer, "launch", fake_launch)
+    a = argparse.Namespace(out=str(tmp_path), model="m", seq=2048, steps=3, skip=1, gpus=2, timeout=10)
+    r = vs_peer.run_peer("peer_best", "full_zero2", a)
+    assert r["tokens_per_s_per_gpu"] == 8 * 2048 / 2.0
+    assert r["tokens_per_s_per_gpu_callback"] == pytest.approx(8 * 2048 / 1.6)
