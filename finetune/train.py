@@ -327,7 +327,8 @@ def _stop_on_nonfinite(engine, run: Run, step: int, micro_batches: list, losses:
     from finetune import dist
 
     t = run.recipe.train
-    bad = [i for mb, loss in zip(micro_batches, losses) if not torch.isfinite(loss).item() for i in mb["sample_ids"].tolist()]
+    bad = [i for mb, loss in zip(micro_batches, losses) if not torch.isfinite(loss).item()
+           for i in mb["sample_ids"].tolist()]
     width = int(dist.all_reduce_max(float(len(bad))))
     padded = torch.full((dist.world_size(), max(width, 1)), -1, dtype=torch.long)
     padded[dist.rank(), :len(bad)] = torch.tensor(bad, dtype=torch.long)
