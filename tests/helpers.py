@@ -78,6 +78,17 @@ def run_ranks(world: int, script: str, args: list[str], timeout: int = 600, env:
     return proc
 
 
+def train_cases(world: int, cases: list[dict], tmp) -> dict:
+    """Run zerotune trainings (tests/parity_driver.py cases: name, config, deepspeed, overrides) in one process group of
+    `world` ranks; their results (losses, grad norms, ...) by name. tmp: a folder for the cases and results files."""
+    cases_file, out = os.path.join(str(tmp), "cases.json"), os.path.join(str(tmp), "out.json")
+    with open(cases_file, "w") as f:
+        json.dump(cases, f)
+    run_ranks(world, os.path.join(ROOT, "tests", "parity_driver.py"), [out, cases_file])
+    with open(out) as f:
+        return json.load(f)
+
+
 def skip_shm_build() -> None:
     """Call before init_distributed in rank scripts: DeepSpeed's shm op is only a faster CPU all-reduce, and its JIT
     build costs 30-70 s per launch; losses are identical without it (FACTS.md). `deepspeed.comm.torch` as an

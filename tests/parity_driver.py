@@ -54,12 +54,20 @@ def swap_files(ds: dict, result: dict):
     return check
 
 
+def fused_mlps(result: dict):
+    """After training: how many decoder MLPs ran finetune/fused_mlp.py's forward."""
+    def check(engine):
+        result["fused_mlps"] = sum(hasattr(m, "_fused_mlp_liger") for m in engine.module.modules())
+
+    return check
+
+
 def one_case(case: dict) -> dict:
     run = prepare(case["config"], case["deepspeed"], case["overrides"])
     result = {"zero_optimization": run.ds["zero_optimization"], "micro_batch_size": run.recipe.train.micro_batch_size,
               "grad_accum": run.recipe.train.grad_accum,
               "activation_checkpointing": run.recipe.model.activation_checkpointing}
-    checks = [swap_files(run.ds, result)]
+    checks = [swap_files(run.ds, result), fused_mlps(result)]
     if run.recipe.lora.enabled:
         checks.append(lora_check(run.recipe.model.path, result))
     records = train(run, on_end=lambda engine: [check(engine) for check in checks])

@@ -103,7 +103,8 @@ def test_estimate_matches_measured_bytes_per_rank(measured, index):
         assert got["adam"] == pytest.approx(8 * est["trained_parameters"] / (2 if case["stage"] else 1), rel=REL)
 
 
-def _saved_bytes(lora: LoraConfig | None, attn: str, packed: bool, fp32_adapters: bool) -> tuple[float, dict]:
+def _saved_bytes(lora: LoraConfig | None, attn: str, packed: bool, fp32_adapters: bool,
+                 fused_mlp: bool = False) -> tuple[float, dict]:
     """Bytes autograd keeps after a bf16 forward + loss of the tiny model (parameters excluded), per token."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -123,6 +124,10 @@ def _saved_bytes(lora: LoraConfig | None, attn: str, packed: bool, fp32_adapters
             from finetune.fused_lora import install_fused_lora
 
             install_fused_lora(model, zero_stage=2)
+    if fused_mlp:
+        from finetune.fused_mlp import install_fused_mlp
+
+        install_fused_mlp(model, zero_stage=2, liger=False)
     model.train()
     rows, seq = 2, 256
     ids = torch.randint(0, cfg.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(0))
@@ -141,7 +146,7 @@ def _saved_bytes(lora: LoraConfig | None, attn: str, packed: bool, fp32_adapters
         torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids.reshape(-1))
     adapter_bytes = 4 if fp32_adapters else 2  # the CPU's dropout mask has the adapters' input dtype (CUDA's: bool)
     est = estimate_activations(TINY, lora, seq, rows, "none", 2, attn, packed, dropout_mask_bytes=adapter_bytes,
-                               adapter_dtype_bytes=adapter_bytes)
+                               adapter_dtype_bytes=adapter_bytes, fused_mlp=fused_mlp)
     return sum(saved.values()), est
 
 
@@ -153,6 +158,16 @@ def _saved_bytes(lora: LoraConfig | None, attn: str, packed: bool, fp32_adapters
 def test_activation_estimate_matches_saved_tensors(lora, attn, packed, fp32_adapters):
     measured_bytes, est = _saved_bytes(lora, attn, packed, fp32_adapters)
     assert est["saved"] == pytest.approx(measured_bytes, rel=1e-3), (measured_bytes, est)
+
+
+@pytest.mark.parametrize("lora", [None, LoraConfig(rank=16, target_modules=["q_proj", "gate_proj", "up_proj"]), LORA],
+                         ids=["full", "lora-without-down_proj", "lora"])
+def test_fused_mlp_estimate_matches_saved_tensors(lora):
+    """finetune/fused_mlp.py keeps gate and up only; with LoRA on down_proj it is not installed and nothing changes."""
+    measured_bytes, est = _saved_bytes(lora, "sdpa", True, False, fused_mlp=True)
+    assert est["saved"] == pytest.approx(measured_bytes, rel=1e-3), (measured_bytes, est)
+    unfused_bytes, _ = _saved_bytes(lora, "sdpa", True, False)
+    assert (measured_bytes < unfused_bytes) == (lora is not LORA)
 
 
 def test_checkpointing_keeps_only_layer_inputs_plus_one_layer():
@@ -205,7 +220,8 @@ def test_peak_estimate_matches_h200_measurements(kind):
 
     recipe = load_recipe(os.path.join(ROOT, "recipes", f"mistral7b_{kind}.yaml"),
                          [f"model.path={os.path.join(ROOT, 'recipes', 'mistral7b_shape')}", "train.micro_batch_size=4",
-                          "model.activation_checkpointing=full", "model.fused_loss=false"])  # what ran
+                          "model.activation_checkpointing=full", "model.fused_loss=false",
+                          "model.fused_mlp=false"])  # what ran
     for name, measured in MEASURED_H200[kind].items():
         ds = resolve_ds_config(os.path.join(ROOT, "ds_configs", f"{name}.json"), recipe, 2, MISTRAL["hidden_size"])
         estimated = estimate_run(MISTRAL, recipe, ds, 2)["total"] / GIB

@@ -8,14 +8,12 @@ estimator are in tests/test_estimate.py.
 """
 
 import copy
-import json
-import os
 
 import pytest
 import torch
 
 from finetune.fused_lora import LoraLinearFunction, fused_class, install_fused_lora
-from tests.helpers import ROOT, TINY_RECIPE, ds_variant, run_ranks, save_tiny_model
+from tests.helpers import TINY_RECIPE, ds_variant, save_tiny_model, train_cases
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -167,9 +165,7 @@ def test_zero3_two_ranks_with_dropout_and_recomputation(tmp_path):
         "optim.lr=1e-3", "optim.warmup_steps=2", "train.max_steps=5", "train.micro_batch_size=2",
         f"train.output_dir={tmp_path / f'{ckpt}{fused}'}", "train.sample_prompt=null"]}
         for ckpt in ("none", "full") for fused in (True, False)]
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    run_ranks(2, os.path.join(ROOT, "tests", "parity_driver.py"), [str(tmp_path / "out.json"), str(tmp_path / "cases.json")])
-    got = json.loads((tmp_path / "out.json").read_text())
+    got = train_cases(2, cases, tmp_path)
     for ckpt in ("none", "full"):
         fused, plain = got[f"{ckpt}-fused=True"]["loss"], got[f"{ckpt}-fused=False"]["loss"]
         assert len(fused) == 5 and fused[-1] < fused[0] - 0.05

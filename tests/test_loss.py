@@ -5,14 +5,12 @@ ZeRO 0-3 training with the fused loss (the default) against a plain-PyTorch loop
 tests/test_parity.py; fused on vs off under ZeRO-3 on 2 ranks is test_fused_loss_matches_unfused_under_zero3 below.
 """
 
-import json
-import os
 
 import pytest
 import torch
 
 from finetune.loss import fused_loss, install_fused_loss, linear_cross_entropy_sum, token_loss_sum
-from tests.helpers import ROOT, TINY_RECIPE, ds_variant, run_ranks, save_tiny_model
+from tests.helpers import TINY_RECIPE, ds_variant, save_tiny_model, train_cases
 
 
 def _case(dtype, rows=37, hidden=16, vocab=50, seed=0):
@@ -121,9 +119,7 @@ def test_fused_loss_matches_unfused_under_zero3(tmp_path):
         "lora.enabled=false", "data.max_seq_len=128", "optim.lr=1e-3", "optim.warmup_steps=2", "train.max_steps=4",
         "train.micro_batch_size=2", f"train.output_dir={tmp_path / str(fused)}", "train.sample_prompt=null"]}
         for fused in (True, False)]
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    run_ranks(2, os.path.join(ROOT, "tests", "parity_driver.py"), [str(tmp_path / "out.json"), str(tmp_path / "cases.json")])
-    got = json.loads((tmp_path / "out.json").read_text())
+    got = train_cases(2, cases, tmp_path)
     fused, plain = got["fused=True"]["loss"], got["fused=False"]["loss"]
     assert len(fused) == 4 and fused[-1] < fused[0]
     assert max(abs(a - b) for a, b in zip(fused, plain)) < 1e-5

@@ -2,11 +2,10 @@
 and the categories kernel names fall into (those of the H200 profiles in docs/benchmarks/vs_peer/)."""
 
 import json
-import os
 
 import pytest
 
-from tests.helpers import ROOT, TINY_RECIPE, ds_variant, run_ranks, save_tiny_model
+from tests.helpers import TINY_RECIPE, ds_variant, save_tiny_model, train_cases
 
 
 def test_profile_step_writes_time_by_kernel_kind(tmp_path):
@@ -18,8 +17,7 @@ def test_profile_step_writes_time_by_kernel_kind(tmp_path):
         f"model.path={model_dir}", "model.tokenizer=mistral-common", "lora.enabled=false", "data.max_seq_len=128",
         "train.max_steps=3", "train.profile_step=2", "train.micro_batch_size=2", f"train.output_dir={out}",
         "train.sample_prompt=null"]}]
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    run_ranks(1, os.path.join(ROOT, "tests", "parity_driver.py"), [str(tmp_path / "out.json"), str(tmp_path / "cases.json")])
+    train_cases(1, cases, tmp_path)
     report = json.loads((out / "profile_step2.json").read_text())
     assert report["step"] == 2 and report["device"] == "cpu" and report["wall_s"] > 0
     assert report["categories_s"]["matmul"] > 0 and 0 < report["busy_s"]
