@@ -44,6 +44,20 @@ def test_liger_kernels_leave_the_loss_curve(tmp_path):
     assert max(abs(a - b) for a, b in zip(plain[torch.bfloat16], liger[torch.bfloat16])) < 2e-2
 
 
+class TorchMLP(torch.nn.Module):
+    """transformers' MistralMLP (act_fn = silu), which liger's patch replaces in transformers' module."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.gate_proj = torch.nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = torch.nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = torch.nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 def _mlp_grads(model, ids):
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -67,11 +81,9 @@ def test_fused_mlp_gradients_on_cuda(tmp_path, liger):
     ids = torch.randint(0, 32000, (2, 128), generator=torch.Generator().manual_seed(0)).cuda()
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
         plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda()
-        if not liger:  # transformers' own MLP, if an earlier test patched liger's in
-            from transformers.models.mistral.modeling_mistral import MistralMLP
-
+        if not liger:  # transformers' own MLP (an earlier test patched liger's into its module)
             for layer in plain.model.layers:
-                mlp = MistralMLP(plain.config).to(dtype).cuda()
+                mlp = TorchMLP(plain.config).to(dtype).cuda()
                 mlp.load_state_dict(layer.mlp.state_dict())
                 layer.mlp = mlp
         assert (type(plain.model.layers[0].mlp).__name__ == "LigerSwiGLUMLP") == liger
