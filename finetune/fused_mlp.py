@@ -62,9 +62,10 @@ class SwiGLUDownFunction(torch.autograd.Function):
 
 
 def fusable(mlp: torch.nn.Module) -> bool:
-    """Whether mlp is a SwiGLU MLP (gate_proj, up_proj, down_proj, silu) whose down projection is a plain nn.Linear."""
+    """Whether mlp is a SwiGLU MLP (gate_proj, up_proj, down_proj; its config's hidden_act silu) whose down projection
+    is a plain nn.Linear."""
     down = getattr(mlp, "down_proj", None)
-    act = getattr(getattr(mlp, "config", None), "hidden_act", "silu")
+    act = getattr(getattr(mlp, "config", None), "hidden_act", None)
     return (type(down) is torch.nn.Linear and down.bias is None and act in ("silu", "swish")
             and hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj"))
 

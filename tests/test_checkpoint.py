@@ -1,6 +1,6 @@
 """Exact resume and verified export, on 2 ranks with real engines (CPU, gloo, loopback).
 
-- 12 steps straight vs 6 steps, stop, resume to 12: steps 7-12 bit-identical (ZeRO-2/3, LoRA/full, fp32/bf16).
+- 8 steps straight vs 4 steps, stop, resume to 8: steps 5-8 bit-identical (ZeRO-2/3, LoRA/full, fp32/bf16).
 - The export of a ZeRO-3 run (HF folder for full, adapter and merged model for LoRA, in-training and offline
   `zerotune export`) reproduces the engine's logits on a fixed prompt.
 - A half-written checkpoint is never resumed from; an unwritable output dir fails before the first step.
@@ -18,6 +18,7 @@ from tests.helpers import ROOT, TINY_RECIPE, ds_variant, run_ranks, save_tiny_mo
 
 CASES = [(stage, lora, bf16) for stage in (2, 3) for lora in (False, True) for bf16 in (False, True)]
 RESHARD_STAGES = (1, 2)  # ZeRO-3 on another world size is refused with a message (test below)
+STEPS, HALF = 8, 4  # the straight runs' steps; the interrupted runs stop (and save) after HALF, then resume
 
 
 def name(stage, lora, bf16):
@@ -33,16 +34,16 @@ def runs(tmp_path_factory):
         ds = ds_variant(f"zero{stage}", str(tmp / f"z{stage}-{bf16}.json"), bf16=bf16)
         common = [f"model.path={model_dir}", "model.tokenizer=mistral-common", f"lora.enabled={str(lora).lower()}",
                   "lora.dropout=0.1", "lora.rank=8", "data.max_seq_len=128", "optim.lr=1e-3", "optim.warmup_steps=3",
-                  "train.max_steps=12", "train.micro_batch_size=1", "train.grad_accum=2", "train.sample_prompt=null",
+                  f"train.max_steps={STEPS}", "train.micro_batch_size=1", "train.grad_accum=2", "train.sample_prompt=null",
                   "train.log_every=100"]
         n = name(stage, lora, bf16)
         straight, halves = str(tmp / n / "straight"), str(tmp / n / "halves")
         cases += [
             {"name": f"{n}/straight", "kind": "straight", "deepspeed": ds, "overrides": common + [f"train.output_dir={straight}"]},
             {"name": f"{n}/stop", "kind": "stop", "deepspeed": ds,
-             "overrides": common + [f"train.output_dir={halves}", "train.save_every=6", "train.stop_at=6"]},
+             "overrides": common + [f"train.output_dir={halves}", f"train.save_every={HALF}", f"train.stop_at={HALF}"]},
             {"name": f"{n}/resume", "kind": "resume", "deepspeed": ds,
-             "overrides": common + [f"train.output_dir={halves}", "train.save_every=6", "train.resume=auto"]},
+             "overrides": common + [f"train.output_dir={halves}", f"train.save_every={HALF}", "train.resume=auto"]},
         ]
     # Another world size: 2 ranks x accumulation 2 <-> 1 rank x accumulation 4 (the same global batch).
     reshard = {1: [], 2: [], 3: []}  # launch order: 2 ranks, then 1 rank, then 2 ranks again
@@ -50,15 +51,15 @@ def runs(tmp_path_factory):
         ds = ds_variant(f"zero{stage}", str(tmp / f"z{stage}-False.json"), bf16=False)
         n = name(stage, False, False)
         common = [f"model.path={model_dir}", "model.tokenizer=mistral-common", "lora.enabled=false", "data.max_seq_len=128",
-                  "optim.lr=1e-3", "optim.warmup_steps=3", "train.max_steps=12", "train.micro_batch_size=1",
-                  "train.sample_prompt=null", "train.log_every=100", "train.save_every=6", "train.export=false"]
+                  "optim.lr=1e-3", "optim.warmup_steps=3", f"train.max_steps={STEPS}", "train.micro_batch_size=1",
+                  "train.sample_prompt=null", "train.log_every=100", f"train.save_every={HALF}", "train.export=false"]
         to1, to2 = str(tmp / n / "w2to1"), str(tmp / n / "w1to2")
         reshard[1].append({"name": f"{n}/2to1-stop", "kind": "stop", "deepspeed": ds,
-                           "overrides": common + ["train.grad_accum=2", f"train.output_dir={to1}", "train.stop_at=6"]})
+                           "overrides": common + ["train.grad_accum=2", f"train.output_dir={to1}", f"train.stop_at={HALF}"]})
         reshard[2] += [{"name": f"{n}/2to1-resume", "kind": "resume", "deepspeed": ds,
                         "overrides": common + ["train.grad_accum=4", f"train.output_dir={to1}", "train.resume=auto"]},
                        {"name": f"{n}/1to2-stop", "kind": "stop", "deepspeed": ds,
-                        "overrides": common + ["train.grad_accum=4", f"train.output_dir={to2}", "train.stop_at=6"]}]
+                        "overrides": common + ["train.grad_accum=4", f"train.output_dir={to2}", f"train.stop_at={HALF}"]}]
         reshard[3].append({"name": f"{n}/1to2-resume", "kind": "resume", "deepspeed": ds,
                            "overrides": common + ["train.grad_accum=2", f"train.output_dir={to2}", "train.resume=auto"]})
     losses = {}
@@ -75,13 +76,13 @@ def test_resume_continues_the_same_loss_curve(runs, stage, lora, bf16):
     tmp, losses = runs
     n = name(stage, lora, bf16)
     straight, first, second = losses[f"{n}/straight"], losses[f"{n}/stop"], losses[f"{n}/resume"]
-    assert len(straight) == 12 and len(first) == 6 and len(second) == 6
-    assert first == straight[:6]
-    assert second == straight[6:], "resumed steps 7-12 must be bit-identical to the uninterrupted run"
+    assert len(straight) == STEPS and len(first) == HALF and len(second) == STEPS - HALF
+    assert first == straight[:HALF]
+    assert second == straight[HALF:], "the resumed steps must be bit-identical to the uninterrupted run's"
     metrics = [json.loads(line) for line in open(tmp / n / "halves" / "metrics.jsonl")]
-    assert [m["step"] for m in metrics] == list(range(1, 13))
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     kept = [s for s, _ in checkpoint.complete_checkpoints(str(tmp / n / "halves"))]
-    assert kept == [6, 12]
+    assert kept == [HALF, STEPS]
 
 
 @pytest.mark.parametrize("stage", RESHARD_STAGES)
@@ -92,8 +93,8 @@ def test_resume_on_another_world_size(runs, stage, direction):
     _, losses = runs
     n = name(stage, False, False)
     straight = losses[f"{name(2, False, False)}/straight"]  # ZeRO-1 and ZeRO-2 give the same losses (test_parity)
-    assert losses[f"{n}/{direction}-stop"] == pytest.approx(straight[:6], abs=1e-5, rel=0)
-    assert losses[f"{n}/{direction}-resume"] == pytest.approx(straight[6:], abs=1e-4, rel=0)
+    assert losses[f"{n}/{direction}-stop"] == pytest.approx(straight[:HALF], abs=1e-5, rel=0)
+    assert losses[f"{n}/{direction}-resume"] == pytest.approx(straight[HALF:], abs=1e-4, rel=0)
 
 
 def test_zero3_checkpoint_on_another_world_size_is_refused(runs):
@@ -220,7 +221,7 @@ def _launch_and_kill(args: list[str], out, until) -> None:
 
 @pytest.mark.parametrize("moment", ["training", "saving"])
 def test_kill_9_then_resume_continues_the_uninterrupted_curve(runs, tmp_path, moment):
-    """kill -9 of every rank mid-run (after the step-6 checkpoint) or in the middle of writing a checkpoint; resume=auto
+    """kill -9 of every rank mid-run (after the step-4 checkpoint) or in the middle of writing a checkpoint; resume=auto
     continues from the last complete checkpoint with the uninterrupted run's losses, bit for bit."""
     tmp, losses = runs
     n = name(3, False, False)
@@ -228,20 +229,20 @@ def test_kill_9_then_resume_continues_the_uninterrupted_curve(runs, tmp_path, mo
     out = tmp_path / "run"
     args = ["--deepspeed", str(tmp / "z3-False.json"), "--config", TINY_RECIPE, f"model.path={tmp / 'model'}",
             "model.tokenizer=mistral-common", "lora.enabled=false", "data.max_seq_len=128", "optim.lr=1e-3",
-            "optim.warmup_steps=3", "train.max_steps=12", "train.micro_batch_size=1", "train.grad_accum=2",
-            "train.sample_prompt=null", "train.log_every=100", "train.save_every=3", f"train.output_dir={out}"]
+            "optim.warmup_steps=3", f"train.max_steps={STEPS}", "train.micro_batch_size=1", "train.grad_accum=2",
+            "train.sample_prompt=null", "train.log_every=100", "train.save_every=2", f"train.output_dir={out}"]
     ckpts = out / "checkpoints"
     if moment == "training":
-        until = lambda o: (ckpts / "step_00000006" / checkpoint.MARKER).exists()
+        until = lambda o: (ckpts / "step_00000004" / checkpoint.MARKER).exists()
     else:
-        until = lambda o: (ckpts / ".tmp-step_00000006").exists()
+        until = lambda o: (ckpts / ".tmp-step_00000004").exists()
     _launch_and_kill(args, out, until)
     last = checkpoint.find_latest(str(out))
     assert last is not None
     resumed_from = int(last.rsplit("_", 1)[1])
-    assert resumed_from == 3 if moment == "saving" else resumed_from >= 6
+    assert resumed_from == 2 if moment == "saving" else resumed_from >= 4
     run_ranks(2, "finetune/main.py", args + ["train.resume=auto"], timeout=300)
     metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    assert [m["step"] for m in metrics] == list(range(1, 13))
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert [m["loss"] for m in metrics] == straight
     assert not list(ckpts.glob(".tmp-*")), "the half-written checkpoint is cleaned up by the next save of that step"

@@ -18,11 +18,11 @@ HIDDEN, INTERMEDIATE, LAYERS = 64, 160, 2
 TINY_LAYERS = 4  # recipes/tiny_model
 
 
-def _mistral(dtype=torch.float32, seed=0):
+def _mistral(dtype=torch.float32, seed=0, act="silu"):
     from transformers import MistralConfig, MistralForCausalLM
 
     cfg = MistralConfig(vocab_size=128, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
-                        num_attention_heads=4, num_key_value_heads=2)
+                        num_attention_heads=4, num_key_value_heads=2, hidden_act=act)
     torch.manual_seed(seed)
     return MistralForCausalLM(cfg).to(dtype)
 
@@ -98,6 +98,7 @@ def test_installed_only_where_down_proj_is_a_plain_linear():
     _, grads = _loss_and_grads(model, ids)
     assert all(g is None for n, g in grads.items() if "down_proj" in n)
     assert all(g is not None for n, g in grads.items() if "lora_" in n)
+    assert install_fused_mlp(_mistral(act="gelu"), zero_stage=2, liger=False) == 0  # not a SwiGLU
     zero3 = _mistral()
     assert install_fused_mlp(zero3, zero_stage=3, liger=False) == LAYERS
     for layer in zero3.model.layers:  # ZeRO-3: the MLP's hooks gather down_proj's weight for the function

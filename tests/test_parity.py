@@ -12,8 +12,8 @@ import pytest
 
 from tests.helpers import ROOT, TINY_RECIPE, ds_variant, run_ranks, save_tiny_model
 
-STEPS = 10
-EVAL_EVERY = 5
+STEPS = 6
+EVAL_EVERY = 3
 EVAL_DATA = os.path.join(ROOT, "tests", "data", "eval_alpaca.jsonl")
 STAGES = [0, 1, 2, 3]
 ROWS_PER_STEP = 4  # global batch: 2 rows x accumulation 2 x 1 rank, or 2 rows x 1 x 2 ranks
