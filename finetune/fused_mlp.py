@@ -4,10 +4,11 @@ model.fused_mlp.
     install_fused_mlp(model, zero_stage, liger)   # after LoRA, before deepspeed.initialize
 
 Mistral's MLP is down(silu(gate(x)) · up(x)). Unfused, autograd keeps gate and up for the SwiGLU's backward and the
-product silu(gate)·up for the down projection's weight gradient: three [tokens, intermediate] tensors per layer, 86 KB
-per token per layer for Mistral-7B, 62% of what a layer keeps. Here the product is rebuilt from gate and up in backward,
-one elementwise pass (by the same kernel as in forward, so the same bits), and never kept: 28 KB less per token per
-layer, 14 GiB at 8 rows of 2,048 tokens over 32 layers. That is what lets a full Mistral-7B fine-tune on an H200 keep
+product silu(gate)·up for the down projection's weight gradient: three [tokens, intermediate] tensors per layer with
+liger's SwiGLU (transformers' own MLP keeps silu(gate) too), 86 KB per token per layer for Mistral-7B, 62% of what a
+layer keeps. Here the product is rebuilt from gate and up in backward, one elementwise pass (by the same kernel as in
+forward, so the same bits), and never kept: 28 KB less per token per layer, 14 GiB at 8 rows of 2,048 tokens over 32
+layers. That is what lets a full Mistral-7B fine-tune on an H200 keep
 every layer's activations at 8 rows, where it recomputed layers before (finetune/budget.py).
 
 Only an MLP whose down projection is a plain nn.Linear without bias is fused (a LoRA-adapted down_proj keeps peft's or
