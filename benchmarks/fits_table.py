@@ -40,8 +40,8 @@ def cell(kind: str, gpus: int, gib: int, cpu_gib: float, measured: dict) -> str:
     m = measured.get((kind, gpus, gib))
     if m is None:
         return text
-    # The runs were measured before the fused loss (model.fused_loss) and the planner's last rule change: say what ran,
-    # with that run's own estimate.
+    # The runs were measured before the fused loss and MLP (model.fused_loss, fused_mlp) and the planner's last rule
+    # change: say what ran, with that run's own estimate.
     ran = settings(m["deepspeed"], m["activation_checkpointing"], m["micro_batch_size"], layers)
     return text + f" (ran as {ran}: est. {m['estimated_gib']:.1f}, **measured {m['peak_allocated_gib']:.1f}**)"
 
