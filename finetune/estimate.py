@@ -71,8 +71,11 @@ def _lora(lora_cfg: Any) -> dict[str, Any] | None:
     targets = list(d.get("target_modules") or [])
     if not targets or not set(targets) <= set(LORA_TARGETS):
         raise ValueError(f"lora.target_modules {targets!r}: the estimator knows {', '.join(LORA_TARGETS)}")
+    from finetune.lora_dropout import uses_kernels
+
+    # lora.dropout_kernel resolved for this machine, as the run resolves it (a dict without the key: torch's dropout)
     return {"rank": int(d["rank"]), "targets": targets, "dropout": float(d.get("dropout", 0.0)),
-            "fused": bool(d.get("fused", False))}
+            "fused": bool(d.get("fused", False)), "seeded_dropout": uses_kernels(d.get("dropout_kernel", "torch"))}
 
 
 def lora_parameters(cfg: dict[str, Any], lora_cfg: Any) -> int:
@@ -170,8 +173,8 @@ def _layer_bytes(cfg: dict[str, Any], lora: dict[str, Any] | None, seq_len: int,
         adapters += ad * lora["rank"]  # lora_A's output, saved by lora_B
         if fused or (lora["dropout"] == 0 and ad == d):
             # x itself is kept, once per distinct input (attention keeps o_proj's); the fused function adds a bool
-            # mask per adapter (native_dropout's, on CPU as on CUDA)
-            adapters += width if lora["dropout"] > 0 else 0
+            # mask per adapter (native_dropout's), or only a seed with the Triton dropout (finetune/lora_dropout.py)
+            adapters += width if lora["dropout"] > 0 and not (fused and lora.get("seeded_dropout")) else 0
             if shared[t] not in inputs_saved and shared[t] != "attn_out":
                 inputs_saved.add(shared[t])
                 adapters += d * width

@@ -7,7 +7,8 @@ copy of x per adapter (which lora_A then keeps for backward), a scaling kernel a
 backward the same again plus an add of the two input gradients. Here the adapter's rank-r product is accumulated into
 the base GEMM's output by addmm (the scaling is its alpha), and in backward into the input gradient the same way. Kept
 for backward: x once (q, k and v share it), the bool dropout mask, and the r-wide x·Aᵀ; drop(x) is rebuilt from x and
-the mask when A's gradient needs it. Mistral-7B LoRA on 2xH200: see docs/benchmarks/vs_peer_2xh200.md.
+the mask when A's gradient needs it. With lora.dropout_kernel's Triton kernels (finetune/lora_dropout.py, on CUDA) the
+mask is not kept either: each kernel that needs it draws it again from a seed, and reads x instead of a dropped copy. Mistral-7B LoRA on 2xH200: see docs/benchmarks/vs_peer_2xh200.md.
 
 The class of each peft `lora.Linear` is swapped for a subclass, so parameter names, checkpoints, adapter export and
 merging are peft's. Anything the function does not cover (several active adapters, DoRA and other variants, merged or
@@ -22,29 +23,35 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from finetune import lora_dropout
+
 
 class LoraLinearFunction(torch.autograd.Function):
     """y = x·Wᵀ (+ bias) + scaling·(drop(x)·Aᵀ)·Bᵀ for a frozen W; gradients for x, A and B."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dropout: float):
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dropout: float, seeded: bool = False):
         x2 = x.reshape(-1, x.shape[-1])
         y = F.linear(x2, weight, bias)
-        mask = None
-        if dropout > 0:
+        mask = seed = None
+        seeded = seeded and dropout > 0 and x2.is_contiguous() and x2.numel() <= lora_dropout.MAX_ELEMENTS
+        if seeded:  # the mask is drawn from the seed in each kernel that needs it (finetune/lora_dropout.py)
+            seed = lora_dropout.new_seed(x.device)
+            low_rank = lora_dropout.dropped_low_rank(x2, lora_a, seed, dropout)
+        elif dropout > 0:
             dropped, mask = torch.native_dropout(x2, dropout, True)
             low_rank = dropped @ lora_a.t()
             del dropped  # rebuilt from x and the bool mask in backward, never kept
         else:
             low_rank = x2 @ lora_a.t()
         y.addmm_(low_rank, lora_b.t(), alpha=scaling)
-        ctx.save_for_backward(x, weight, lora_a, lora_b, low_rank, mask)
+        ctx.save_for_backward(x, weight, lora_a, lora_b, low_rank, mask, seed)
         ctx.scaling, ctx.dropout = scaling, dropout
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, lora_a, lora_b, low_rank, mask = ctx.saved_tensors
+        x, weight, lora_a, lora_b, low_rank, mask, seed = ctx.saved_tensors
         x2 = x.reshape(-1, x.shape[-1])
         grad2 = grad_out.reshape(-1, grad_out.shape[-1])
         keep_scale = 1.0 / (1.0 - ctx.dropout) if mask is not None else 1.0
@@ -52,18 +59,23 @@ class LoraLinearFunction(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = grad2 @ weight
-            if mask is None:
+            if seed is not None:
+                lora_dropout.add_dropped_input_grad_(grad_x, grad_low, lora_a, seed, ctx.dropout)
+            elif mask is None:
                 grad_x.addmm_(grad_low, lora_a)
             else:
                 grad_x.add_(torch.ops.aten.native_dropout_backward(grad_low @ lora_a, mask, keep_scale))
             grad_x = grad_x.view(x.shape)
         grad_a = grad_b = None
         if ctx.needs_input_grad[3]:
-            dropped = x2 if mask is None else torch.ops.aten.native_dropout_backward(x2, mask, keep_scale)
-            grad_a = grad_low.t() @ dropped
+            if seed is not None:
+                grad_a = lora_dropout.dropped_weight_grad(grad_low, x2, seed, ctx.dropout)
+            else:
+                dropped = x2 if mask is None else torch.ops.aten.native_dropout_backward(x2, mask, keep_scale)
+                grad_a = grad_low.t() @ dropped
         if ctx.needs_input_grad[4]:
             grad_b = (grad2.t() @ low_rank).mul_(ctx.scaling)
-        return grad_x, None, None, grad_a, grad_b, None, None
+        return grad_x, None, None, grad_a, grad_b, None, None, None
 
 
 def _fusable(layer, x: torch.Tensor, args, kwargs) -> bool:
@@ -93,6 +105,8 @@ def fused_class():
     from peft.tuners.lora.layer import Linear
 
     class FusedLoraLinear(Linear):
+        seeded_dropout = False  # set per layer by install_fused_lora (lora.dropout_kernel)
+
         def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             if not _fusable(self, x, args, kwargs):
                 return super().forward(x, *args, **kwargs)
@@ -101,16 +115,21 @@ def fused_class():
             dropout = self.lora_dropout[name]
             p = dropout.p if isinstance(dropout, torch.nn.Dropout) and self.training else 0.0
             return LoraLinearFunction.apply(x, base.weight, base.bias, self.lora_A[name].weight,
-                                            self.lora_B[name].weight, float(self.scaling[name]), p)
+                                            self.lora_B[name].weight, float(self.scaling[name]), p,
+                                            self.seeded_dropout)
 
     FusedLoraLinear.__name__ = FusedLoraLinear.__qualname__ = "FusedLoraLinear"
     return FusedLoraLinear
 
 
-def install_fused_lora(model: torch.nn.Module, zero_stage: int) -> int:
+def install_fused_lora(model: torch.nn.Module, zero_stage: int, dropout_kernel: str = "torch") -> int:
     """Swap every peft lora.Linear in model for FusedLoraLinear; returns how many. Under ZeRO-3, call it before
-    deepspeed.initialize, which registers the parameter hooks."""
+    deepspeed.initialize, which registers the parameter hooks. dropout_kernel (lora.dropout_kernel): `triton` draws
+    the dropout masks from a seed in finetune/lora_dropout.py's kernels, `torch` keeps native_dropout's bool mask per
+    adapter."""
     from peft.tuners.lora.layer import Linear
+
+    seeded = lora_dropout.uses_kernels(dropout_kernel)
 
     if zero_stage == 3:
         # ZeRO-3 gathers a module's parameters in its own forward hooks; the fused forward never calls the base
@@ -122,6 +141,7 @@ def install_fused_lora(model: torch.nn.Module, zero_stage: int) -> int:
     layers = [m for m in model.modules() if type(m) is Linear]
     for layer in layers:
         layer.__class__ = fused_class()
+        layer.seeded_dropout = seeded
         if zero_stage == 3:
             for p in layer.parameters():  # the base weight (and bias) and every adapter's A and B
                 register_external_parameter(layer, p)

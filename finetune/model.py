@@ -86,7 +86,7 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, ds_config: dict[st
                 if p.requires_grad and p.dtype == torch.float32:
                     p.data = p.data.to(dtype)
         if lora_cfg.fused:
-            install_fused_lora(model, zero_stage(ds_config))
+            install_fused_lora(model, zero_stage(ds_config), lora_cfg.dropout_kernel)
     if model_cfg.fused_mlp:  # after LoRA: a LoRA-adapted down_proj keeps its own path
         install_fused_mlp(model, zero_stage(ds_config), liger)
     if model_cfg.fused_loss:

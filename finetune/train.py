@@ -47,13 +47,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def prepare(config: str | None, deepspeed_json: str, overrides: list[str]) -> Run:
     """Load and check everything a user can get wrong, before any rank starts work (raises ConfigError)."""
-    from finetune import budget, dist, kernels
+    from finetune import budget, dist, kernels, lora_dropout
     from finetune.loggers import check_backends
     from finetune.model import check_model_dir
 
     recipe = load_recipe(config, overrides)
     check_backends(recipe.train.log_to)
     kernels.check(recipe.model.kernels)
+    lora_dropout.check(recipe.lora)
     model_config = check_model_dir(recipe.model)
     _check_tokenizer_and_data(recipe)
     recipe_path = config or "recipes/mistral7b_lora.yaml"

@@ -46,6 +46,21 @@ def _rel_err(a: dict, b: dict) -> float:
     return max(((a[k] - b[k]).abs().max() / b[k].abs().max()).item() for k in b)
 
 
+def _with_and_without_recomputation(ids, device="cpu", dropout_kernel="torch"):
+    """(loss, grads) of one training-mode step of a fused LoRA Mistral with dropout 0.3, without then with
+    non-reentrant activation checkpointing, from the same torch seed; and the last model."""
+    results = []
+    for checkpointing in (False, True):
+        model = _peft_mistral(torch.float32, dropout=0.3).to(device)
+        install_fused_lora(model, zero_stage=0, dropout_kernel=dropout_kernel)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        torch.manual_seed(11)
+        results.append(_loss_and_grads(model, ids.to(device)))
+    return results, model
+
+
 def test_installs_on_every_adapted_projection_and_only_there():
     model = _peft_mistral(torch.float32)
     assert install_fused_lora(model, zero_stage=2) == 2 * len(TARGETS)
@@ -85,42 +100,40 @@ def test_bf16_error_is_of_peft_bf16_order():
     assert _rel_err(fused_bf16, oracle) < 2 * _rel_err(peft_bf16, oracle)
 
 
-def test_dropout_mask_is_one_for_forward_and_backward():
-    """The function's output and gradients equal x·Wᵀ + s·(x·m/(1-p))·Aᵀ·Bᵀ built by autograd with the same mask m."""
+def _check_against_autograd_over_mask(rows, width, out, rank, mask_of, seeded=False, device="cpu", tol=1e-5):
+    """LoraLinearFunction (scaling 0.5, dropout 0.25) gives the output and the x, A and B gradients of autograd over
+    x·Wᵀ + s·(x·m/(1-p))·Aᵀ·Bᵀ, where m = mask_of(x as [tokens, width]) is drawn from the torch seed the function
+    drew its own from."""
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(3, 5, 16, generator=g, requires_grad=True)
-    w = torch.randn(24, 16, generator=g)
-    a = torch.randn(4, 16, generator=g, requires_grad=True)
-    b = torch.randn(24, 4, generator=g, requires_grad=True)
+    x = torch.randn(*rows, width, generator=g).to(device).requires_grad_()
+    w = torch.randn(out, width, generator=g).to(device)
+    a = torch.randn(rank, width, generator=g).to(device).requires_grad_()
+    b = torch.randn(out, rank, generator=g).to(device).requires_grad_()
+    weights = torch.linspace(-1, 1, out, device=device)
     torch.manual_seed(7)
-    y = LoraLinearFunction.apply(x, w, None, a, b, 0.5, 0.25)
-    (y * torch.linspace(-1, 1, 24)).sum().backward()
+    y = LoraLinearFunction.apply(x, w, None, a, b, 0.5, 0.25, seeded)
+    (y * weights).sum().backward()
     got = (y.detach(), x.grad, a.grad, b.grad)
     torch.manual_seed(7)
-    _, mask = torch.native_dropout(x.detach().reshape(-1, 16), 0.25, True)  # the function's first random draw
+    mask = mask_of(x.detach().reshape(-1, width))
     assert 0.6 < mask.float().mean() < 0.9
     x.grad = a.grad = b.grad = None
-    dropped = x * mask.view(x.shape) / 0.75
-    ref = x @ w.t() + 0.5 * (dropped @ a.t()) @ b.t()
-    (ref * torch.linspace(-1, 1, 24)).sum().backward()
+    ref = x @ w.t() + 0.5 * ((x * mask.view(x.shape) / 0.75) @ a.t()) @ b.t()
+    (ref * weights).sum().backward()
     for mine, theirs in zip(got, (ref.detach(), x.grad, a.grad, b.grad)):
-        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine, theirs, rtol=tol, atol=tol)
+
+
+def test_dropout_mask_is_one_for_forward_and_backward():
+    """torch's dropout: the mask of the function's first random draw, used by forward and backward alike."""
+    _check_against_autograd_over_mask((3, 5), 16, 24, 4, lambda x2: torch.native_dropout(x2, 0.25, True)[1])
 
 
 def test_recomputation_rebuilds_the_same_masks():
     """Dropout on, training: activation checkpointing (non-reentrant, RNG state restored) gives the gradients of no
     checkpointing, so each recomputed forward drew the mask its backward uses."""
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(4))
-    results = []
-    for checkpointing in (False, True):
-        model = _peft_mistral(torch.float32, dropout=0.3)
-        install_fused_lora(model, zero_stage=0)
-        if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
-        torch.manual_seed(11)
-        results.append(_loss_and_grads(model, ids))
-    (loss_plain, plain), (loss_ckpt, ckpt) = results
+    ((loss_plain, plain), (loss_ckpt, ckpt)), _ = _with_and_without_recomputation(ids)
     assert loss_ckpt == pytest.approx(loss_plain, rel=1e-6)
     assert _rel_err(ckpt, plain) < 1e-5
     # and dropout did act: eval mode (no dropout) gives another loss

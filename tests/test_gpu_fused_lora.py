@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from finetune.fused_lora import install_fused_lora
-from tests.test_fused_lora import _loss_and_grads, _peft_mistral, _rel_err
+from tests.test_fused_lora import (_loss_and_grads, _peft_mistral, _rel_err,
+                                   _with_and_without_recomputation)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -33,15 +34,6 @@ def test_fp32_and_bf16_equal_peft_on_cuda():
 
 def test_cuda_dropout_mask_survives_recomputation():
     ids = torch.randint(0, 128, (4, 64), generator=torch.Generator().manual_seed(4)).cuda()
-    results = []
-    for checkpointing in (False, True):
-        model = _peft_mistral(torch.float32, dropout=0.3).cuda()
-        install_fused_lora(model, zero_stage=0)
-        if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
-        torch.manual_seed(11)
-        results.append(_loss_and_grads(model, ids))
-    (loss_plain, plain), (loss_ckpt, ckpt) = results
+    ((loss_plain, plain), (loss_ckpt, ckpt)), _ = _with_and_without_recomputation(ids, "cuda")
     assert loss_ckpt == pytest.approx(loss_plain, rel=1e-5)
     assert _rel_err(ckpt, plain) < 1e-4

@@ -1,0 +1,51 @@
+"""LoRA dropout drawn from a seed in Triton kernels (finetune/lora_dropout.py, lora.dropout_kernel). Triton's CPU
+interpreter runs the kernels (fp32) in tests/lora_dropout_cases.py: each kernel equals torch on the mask it draws, the
+fused LoRA function with them equals autograd over that mask, recomputation redraws the same masks, and it keeps a seed
+where torch's path keeps a bool per element. Here: those cases, the estimator's term and the config's errors. On CUDA
+(bf16, Mistral-7B's widths, speed) the same checks are tests/test_gpu_lora_dropout.py."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from finetune import lora_dropout
+from finetune.config import ConfigError, LoraConfig, load_recipe
+from finetune.estimate import estimate_activations
+from tests.helpers import ROOT, TINY_RECIPE
+
+pytest.importorskip("triton")
+
+
+def test_kernels_under_tritons_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                          "tests/lora_dropout_cases.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+    assert re.search(r"\b5 passed\b", out.stdout), out.stdout[-2000:]
+
+
+def test_estimator_drops_the_masks_with_the_kernels():
+    """Per token and layer, one byte per adapted input element fewer: 6 x hidden + intermediate for Mistral's seven."""
+    cfg = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "model_type": "mistral"}
+
+    def activations(kernel: str) -> float:
+        lora = LoraConfig(dropout=0.1, dropout_kernel=kernel)
+        return estimate_activations(cfg, lora, 32, 2, "none", 2, "sdpa", False, adapter_dtype_bytes=2)["total"]
+
+    assert activations("torch") - activations("triton") == 2 * 32 * 2 * (6 * 64 + 160)  # layers x tokens x widths
+    assert LoraConfig().dropout_kernel == "torch"  # the default: the estimate of the default run keeps the masks
+
+
+def test_triton_without_cuda_is_a_config_error():
+    recipe = load_recipe(TINY_RECIPE, ["lora.enabled=true", "lora.dropout_kernel=triton"])
+    why = r"lora\.dropout_kernel=triton: its Triton kernels need a CUDA GPU; set lora\.dropout_kernel=torch"
+    with pytest.raises(ConfigError, match=why):
+        lora_dropout.check(recipe.lora)
+    lora_dropout.check(load_recipe(TINY_RECIPE, ["lora.enabled=true"]).lora)  # the default needs no GPU
+    with pytest.raises(ConfigError, match="lora.dropout_kernel"):
+        load_recipe(TINY_RECIPE, ["lora.dropout_kernel=cuda"])
