@@ -136,6 +136,29 @@ def bf16_enabled(ds: dict[str, Any]) -> bool:
     return bool(ds.get("bf16", {}).get("enabled", False))
 
 
+def native_cpu_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (oneDNN's AVX-512 paths). Without them (e.g. an AVX2-only CPU) torch
+    emulates bf16 GEMMs: the tiny recipe's output layer ran 10-50x slower than in fp32 on such a machine."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch without the check: assume native, as before
+        return True
+
+
+def emulated_bf16_note(ds: dict[str, Any]) -> str | None:
+    """A note for a bf16 run on the CPU of a machine without native bf16, or None."""
+    import torch
+
+    if not bf16_enabled(ds) or torch.cuda.is_available() or native_cpu_bf16():
+        return None
+    return (f"note: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bf16, so torch emulates it: a "
+            f"bf16 run here is many times slower than fp32 (the tiny recipe: 83 s in fp32, over 10 minutes in bf16). "
+            f"For a CPU run, pass a DeepSpeed file with \"bf16\": {{\"enabled\": false}}, e.g. "
+            f"ds_configs/zero3_fp32.json")
+
+
 def offloads_optimizer(ds: dict[str, Any]) -> bool:
     device = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
     return device in ("cpu", "nvme")

@@ -20,7 +20,7 @@ import yaml
 
 from finetune import checkpoint
 from finetune.config import ConfigError, Recipe, load_recipe, recipe_to_dict
-from finetune.ds_config import engine_config, resolve_ds_config, zero_stage
+from finetune.ds_config import emulated_bf16_note, engine_config, resolve_ds_config, zero_stage
 
 
 @dataclass
@@ -62,6 +62,8 @@ def prepare(config: str | None, deepspeed_json: str, overrides: list[str]) -> Ru
     ds = resolve_ds_config(deepspeed_json, recipe, dist.world_size(), model_config["hidden_size"],
                            recipe_path=recipe_path, vocab_size=model_config["vocab_size"])
     budget.check_offload_fits_host(recipe, model_config, ds, dist.world_size())
+    if note := emulated_bf16_note(ds):
+        dist.print0(note)
     out = recipe.train.output_dir
     # Other ranks may be probing the folder right now (check_output_dir's .write-test-* files): not content.
     content = [f for f in os.listdir(out) if not f.startswith(checkpoint.WRITE_PROBE)] if os.path.isdir(out) else []

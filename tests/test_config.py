@@ -5,9 +5,11 @@ import json
 import os
 
 import pytest
+import torch
 
 from finetune.config import ConfigError, Recipe, load_recipe
-from finetune.ds_config import engine_config, resolve_ds_config
+from finetune import ds_config
+from finetune.ds_config import emulated_bf16_note, engine_config, resolve_ds_config
 from finetune.optim import lr_lambda
 from finetune.train import prepare
 from tests.helpers import ROOT, TINY_RECIPE
@@ -141,3 +143,17 @@ def test_schedule_warms_up_then_decays_to_min_ratio():
     assert values[:4] == [0.25, 0.5, 0.75, 1.0]
     assert all(a >= b for a, b in zip(values[3:], values[4:]))
     assert values[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + __import__("math").cos(__import__("math").pi * 15 / 16)))
+
+
+def test_bf16_on_a_cpu_without_native_bf16_gets_a_note(monkeypatch):
+    """Without native bf16 (an AVX2-only CPU) a bf16 run is told what it costs and which file runs fp32."""
+    bf16 = json.load(open(os.path.join(ROOT, "ds_configs", "zero3.json")))
+    fp32 = json.load(open(os.path.join(ROOT, "ds_configs", "zero3_fp32.json")))
+    assert fp32 == dict(bf16, bf16={"enabled": False})  # the same ZeRO-3 file, in fp32
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(ds_config, "native_cpu_bf16", lambda: False)
+    note = emulated_bf16_note(bf16)
+    assert note and "has no native bf16" in note and note.endswith("ds_configs/zero3_fp32.json")
+    assert emulated_bf16_note(fp32) is None
+    monkeypatch.setattr(ds_config, "native_cpu_bf16", lambda: True)
+    assert emulated_bf16_note(bf16) is None
