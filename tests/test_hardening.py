@@ -246,7 +246,7 @@ def test_nan_loss_stops_with_samples_and_a_checkpoint(tmp_path):
     args = ["--deepspeed", ZERO0, "--config", TINY_RECIPE, "optim.lr=1e30", "optim.warmup_steps=0",
             "train.grad_accum=2", "train.sample_prompt=null", "train.export=false"]
     with pytest.raises(AssertionError) as e:
-        run_ranks(2, "finetune/main.py", args + ["train.max_steps=5", f"train.output_dir={out}"], timeout=300)
+        run_ranks(2, "finetune/main.py", args + ["train.max_steps=5", f"train.output_dir={out}"], timeout=600)
     assert re.search(next(f.message for f in FAULTS if f.id == "nan-loss"), str(e.value))
     assert re.search(r"rank \d: \[\d+", str(e.value))
     assert (out / "checkpoints" / "step_00000001" / "zerotune.json").exists()
@@ -254,7 +254,7 @@ def test_nan_loss_stops_with_samples_and_a_checkpoint(tmp_path):
     assert [m["step"] for m in metrics] == [1]
 
     run_ranks(2, "finetune/main.py", args + ["train.max_steps=1", "train.save_every=1", f"train.output_dir={clean}"],
-              timeout=300)
+              timeout=600)
 
     def weights(run_dir):
         path = run_dir / "checkpoints" / "step_00000001" / "engine" / "mp_rank_00_model_states.pt"

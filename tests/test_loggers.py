@@ -58,7 +58,7 @@ def test_tiny_run_logs_the_same_records_to_tensorboard_and_wandb(tmp_path):
     run_ranks(1, "finetune/main.py", ["--deepspeed", "ds_configs/zero2.json", "--config", TINY_RECIPE, "train.max_steps=4",
                                       "data.eval_fraction=0.1", "train.eval_every=2", "train.export=false",
                                       "train.sample_prompt=", "train.log_to=[tensorboard,wandb]", f"train.output_dir={out}"],
-              timeout=300, env=env)
+              timeout=600, env=env)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [(r["step"], r["loss"]) for r in records if "loss" in r]
     evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
