@@ -66,7 +66,7 @@ def runs(tmp_path_factory):
     driver = os.path.join(ROOT, "tests", "resume_driver.py")
     for launch, (world, batch) in enumerate([(2, cases + reshard[1]), (1, reshard[2]), (2, reshard[3])]):
         (tmp / f"cases{launch}.json").write_text(json.dumps(batch))
-        run_ranks(world, driver, [str(tmp / f"out{launch}.json"), str(tmp / f"cases{launch}.json")], timeout=900)
+        run_ranks(world, driver, [str(tmp / f"out{launch}.json"), str(tmp / f"cases{launch}.json")], timeout=2400)
         losses.update(json.loads((tmp / f"out{launch}.json").read_text()))
     return tmp, losses
 

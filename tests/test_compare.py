@@ -19,7 +19,7 @@ def compared(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare") / "cmp"
     cmd = ["bash", os.path.join(ROOT, "launch", "compare.sh"), "--config", TINY_RECIPE, "--stages", "0", "1", "2", "3",
            "--steps", "3", "--gpus", "2", "--out", str(out), "data.max_seq_len=128"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=loopback_env(), capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.run(cmd, cwd=ROOT, env=loopback_env(), capture_output=True, text=True, timeout=1800, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return out, json.load(open(out / "summary.json"))
 

@@ -78,7 +78,7 @@ def measured(tmp_path_factory):
         cases.append({"name": name, "deepspeed": path, "lora": lora, "stage": int(base[-1]), "bf16": bf16})
     (tmp / "cases.json").write_text(json.dumps(cases))
     run_ranks(2, os.path.join(ROOT, "tests", "estimate_probe.py"), [model_dir, str(tmp / "cases.json"), str(tmp / "out")],
-              timeout=600)
+              timeout=1800)
     return cases, [json.load(open(tmp / f"out.{rank}.json")) for rank in (0, 1)]
 
 

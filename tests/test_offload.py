@@ -47,7 +47,7 @@ def runs(tmp_path_factory):
                   "overrides": by_hand})
     cases_file = tmp / "cases.json"
     cases_file.write_text(json.dumps(cases))
-    run_ranks(2, os.path.join(ROOT, "tests", "parity_driver.py"), [str(tmp / "results.json"), str(cases_file)], timeout=900)
+    run_ranks(2, os.path.join(ROOT, "tests", "parity_driver.py"), [str(tmp / "results.json"), str(cases_file)], timeout=2400)
     return json.loads((tmp / "results.json").read_text()), plan, tmp
 
 

@@ -54,7 +54,7 @@ def matrix(tmp_path_factory):
         cases_file = tmp / f"cases{world}.json"
         cases_file.write_text(json.dumps(cases))
         out_file = tmp / f"results{world}.json"
-        run_ranks(world, os.path.join(ROOT, "tests", "parity_driver.py"), [str(out_file), str(cases_file)], timeout=900)
+        run_ranks(world, os.path.join(ROOT, "tests", "parity_driver.py"), [str(out_file), str(cases_file)], timeout=2400)
         results[world] = json.loads(out_file.read_text())
     results["reference"] = {lora: _reference(model_dir, tmp, lora) for lora in (False, True)}
     return results

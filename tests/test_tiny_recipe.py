@@ -22,7 +22,7 @@ def quickstart_ds_config() -> str:
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny") / "run"
     proc = run_ranks(2, "finetune/main.py", ["--deepspeed", quickstart_ds_config(), "--config", TINY_RECIPE,
-                                             f"train.output_dir={out}"], timeout=600)
+                                             f"train.output_dir={out}"], timeout=1800)
     return out, proc
 
 
