@@ -73,9 +73,10 @@ def _lora(lora_cfg: Any) -> dict[str, Any] | None:
         raise ValueError(f"lora.target_modules {targets!r}: the estimator knows {', '.join(LORA_TARGETS)}")
     from finetune.lora_dropout import uses_kernels
 
-    # lora.dropout_kernel resolved for this machine, as the run resolves it (a dict without the key: torch's dropout)
+    # lora.dropout_kernel resolved as a run on a CUDA GPU resolves it: these are estimates of GPU memory
     return {"rank": int(d["rank"]), "targets": targets, "dropout": float(d.get("dropout", 0.0)),
-            "fused": bool(d.get("fused", False)), "seeded_dropout": uses_kernels(d.get("dropout_kernel", "torch"))}
+            "fused": bool(d.get("fused", False)),
+            "seeded_dropout": uses_kernels(d.get("dropout_kernel", "auto"), cuda=True)}
 
 
 def lora_parameters(cfg: dict[str, Any], lora_cfg: Any) -> int:
@@ -174,7 +175,7 @@ def _layer_bytes(cfg: dict[str, Any], lora: dict[str, Any] | None, seq_len: int,
         if fused or (lora["dropout"] == 0 and ad == d):
             # x itself is kept, once per distinct input (attention keeps o_proj's); the fused function adds a bool
             # mask per adapter (native_dropout's), or only a seed with the Triton dropout (finetune/lora_dropout.py)
-            adapters += width if lora["dropout"] > 0 and not (fused and lora.get("seeded_dropout")) else 0
+            adapters += width if lora["dropout"] > 0 and not (fused and lora["seeded_dropout"]) else 0
             if shared[t] not in inputs_saved and shared[t] != "attn_out":
                 inputs_saved.add(shared[t])
                 adapters += d * width

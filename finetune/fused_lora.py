@@ -8,7 +8,8 @@ backward the same again plus an add of the two input gradients. Here the adapter
 the base GEMM's output by addmm (the scaling is its alpha), and in backward into the input gradient the same way. Kept
 for backward: x once (q, k and v share it), the bool dropout mask, and the r-wide x·Aᵀ; drop(x) is rebuilt from x and
 the mask when A's gradient needs it. With lora.dropout_kernel's Triton kernels (finetune/lora_dropout.py, on CUDA) the
-mask is not kept either: each kernel that needs it draws it again from a seed, and reads x instead of a dropped copy. Mistral-7B LoRA on 2xH200: see docs/benchmarks/vs_peer_2xh200.md.
+mask is not kept either: each kernel that needs it draws it again from a seed, and reads x instead of a dropped copy
+(the default on CUDA). Mistral-7B LoRA on H200s: docs/benchmarks/vs_peer_2xh200.md.
 
 The class of each peft `lora.Linear` is swapped for a subclass, so parameter names, checkpoints, adapter export and
 merging are peft's. Anything the function does not cover (several active adapters, DoRA and other variants, merged or
@@ -56,23 +57,24 @@ class LoraLinearFunction(torch.autograd.Function):
         grad2 = grad_out.reshape(-1, grad_out.shape[-1])
         keep_scale = 1.0 / (1.0 - ctx.dropout) if mask is not None else 1.0
         grad_low = (grad2 @ lora_b).mul_(ctx.scaling)  # [tokens, r]: the gradient of drop(x)·Aᵀ
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grad2 @ weight
-            if seed is not None:
-                lora_dropout.add_dropped_input_grad_(grad_x, grad_low, lora_a, seed, ctx.dropout)
-            elif mask is None:
-                grad_x.addmm_(grad_low, lora_a)
-            else:
-                grad_x.add_(torch.ops.aten.native_dropout_backward(grad_low @ lora_a, mask, keep_scale))
-            grad_x = grad_x.view(x.shape)
-        grad_a = grad_b = None
-        if ctx.needs_input_grad[3]:
-            if seed is not None:
-                grad_a = lora_dropout.dropped_weight_grad(grad_low, x2, seed, ctx.dropout)
-            else:
+        grad_x = grad2 @ weight if ctx.needs_input_grad[0] else None
+        grad_a = None
+        if seed is not None:  # one pass through x and grad_x for both, the mask drawn once
+            if grad_x is not None or ctx.needs_input_grad[3]:
+                grad_a = lora_dropout.dropped_backward(grad_low, lora_a, seed, ctx.dropout, grad_x=grad_x,
+                                                       x=x2 if ctx.needs_input_grad[3] else None)
+        else:
+            if grad_x is not None:
+                if mask is None:
+                    grad_x.addmm_(grad_low, lora_a)
+                else:
+                    grad_x.add_(torch.ops.aten.native_dropout_backward(grad_low @ lora_a, mask, keep_scale))
+            if ctx.needs_input_grad[3]:
                 dropped = x2 if mask is None else torch.ops.aten.native_dropout_backward(x2, mask, keep_scale)
                 grad_a = grad_low.t() @ dropped
+        if grad_x is not None:
+            grad_x = grad_x.view(x.shape)
+        grad_b = None
         if ctx.needs_input_grad[4]:
             grad_b = (grad2.t() @ low_rank).mul_(ctx.scaling)
         return grad_x, None, None, grad_a, grad_b, None, None, None
@@ -122,11 +124,11 @@ def fused_class():
     return FusedLoraLinear
 
 
-def install_fused_lora(model: torch.nn.Module, zero_stage: int, dropout_kernel: str = "torch") -> int:
+def install_fused_lora(model: torch.nn.Module, zero_stage: int, dropout_kernel: str = "auto") -> int:
     """Swap every peft lora.Linear in model for FusedLoraLinear; returns how many. Under ZeRO-3, call it before
     deepspeed.initialize, which registers the parameter hooks. dropout_kernel (lora.dropout_kernel): `triton` draws
     the dropout masks from a seed in finetune/lora_dropout.py's kernels, `torch` keeps native_dropout's bool mask per
-    adapter."""
+    adapter, `auto` is triton on a CUDA GPU with Triton installed."""
     from peft.tuners.lora.layer import Linear
 
     seeded = lora_dropout.uses_kernels(dropout_kernel)

@@ -1,25 +1,27 @@
 """LoRA's input dropout drawn from a seed inside the adapter's Triton kernels, never stored (lora.dropout_kernel).
 
-    seed = new_seed(x.device)                           # forward: one int64 per call, from torch's generator
-    low = dropped_low_rank(x, a, seed, p)               # drop(x)·Aᵀ          [tokens, r]
-    add_dropped_input_grad_(grad_x, grad_low, a, seed, p)   # grad_x += drop'(grad_low·A)
-    grad_a = dropped_weight_grad(grad_low, x, seed, p)  # grad_lowᵀ·drop(x)   [r, in]
+    seed = new_seed(x.device)                 # forward: one int64 per call, from torch's generator
+    low = dropped_low_rank(x, a, seed, p)     # drop(x)·Aᵀ    [tokens, r]
+    grad_a = dropped_backward(grad_low, a, seed, p, grad_x=grad_x, x=x)
+                                              # grad_x += drop'(grad_low·A); grad_a = grad_lowᵀ·drop(x)  [r, in]
 
 The fused LoRA function (finetune/fused_lora.py) with torch's dropout writes a bool mask per adapter in forward (kept
 for backward: 20 GiB for Mistral-7B at 8 rows of 2,048 tokens, all seven projections), a dropped copy of x for the
 rank-r GEMM, then in backward rebuilds that copy and masks the adapter's input gradient in separate passes. These
-kernels read x once per product and draw the keep/drop decision of element (row, col) from Philox at counter
-row·in + col, the same in each kernel, so nothing but the seed is kept. The seed comes from torch's generator on x's
+kernels read x once per product, in forward and once in backward for both of its products, and draw the keep/drop
+decision of element (row, col) from Philox the same way in each (eight elements per draw:
+finetune/_lora_dropout_triton.py), so nothing but the seed is kept. The seed comes from torch's generator on x's
 device, so activation checkpointing, which restores that generator before recomputing, redraws the same masks.
 
-A kept element is scaled by 1/(1-p), as torch's dropout does; the masks are not torch's (another random stream), so
-runs with this kernel and with torch's dropout agree in distribution, not bit for bit. Triton needs CUDA; on CPU
+An element is dropped with probability p rounded to a multiple of 2⁻¹⁶ (drawn_p: 0.05 -> 0.0500031) and a kept one
+is scaled by 1/(1-that), as torch's dropout does; the masks are not torch's (another random stream), so runs with
+this kernel and with torch's dropout agree in distribution, not bit for bit. Triton needs CUDA; on CPU
 TRITON_INTERPRET=1 runs the same kernels (fp32) for tests/test_lora_dropout.py.
 
-Measured on 2xH200 (Mistral-7B LoRA r16, ZeRO-2, 8 rows of 2,048 tokens per GPU): peak 82.7 GiB against 102.4 with
-torch's dropout, and 13,749 tok/s/GPU against 14,956. One gate_proj forward and backward took 7.00 ms against 6.20
-(tests/test_gpu_lora_dropout.py): a Philox draw per element in each of three kernels costs more than the bytes saved.
-So it is a memory lever, off by default (docs/benchmarks/vs_peer_2xh200.md).
+Measured on one H200 (Mistral-7B LoRA r16, dropout 0.05, 8 rows of 2,048 tokens; docs/benchmarks/vs_peer_2xh200.md):
+ZeRO-2 trains at 15,430 tok/s against 14,284 and 14,624 with torch's dropout (before and after it), peak 83.0 GiB
+against 102.6. Dropout costs 40 ms a step over none against torch's 92 (benchmarks/lora_dropout_kernels.py). So
+lora.dropout_kernel=auto takes these kernels wherever they can run.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import torch
 
 from finetune.config import ConfigError
 
-MAX_ELEMENTS = 2**31 - 1  # Philox counters are int32 row·in + col; larger inputs take torch's dropout
+MAX_ELEMENTS = 2**31 - 1  # the kernels' offsets row·in + col are int32; larger inputs take torch's dropout
+_UNIFORM = 2**16  # the resolution of the kernels' uniforms (16 bits each)
 
 
 def available() -> str | None:
@@ -44,16 +47,30 @@ def available() -> str | None:
     return None
 
 
-def uses_kernels(dropout_kernel: str) -> bool:
-    """Whether fused LoRA layers with dropout draw their masks here (lora.dropout_kernel)."""
-    return dropout_kernel == "triton"
+def uses_kernels(dropout_kernel: str, cuda: bool | None = None) -> bool:
+    """Whether fused LoRA layers with dropout draw their masks here: lora.dropout_kernel `triton`, or `auto` (the
+    default) where the run is on a CUDA GPU (cuda; None: whether this machine has one) and Triton is installed."""
+    if dropout_kernel != "auto":
+        return dropout_kernel == "triton"
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    return cuda and importlib.util.find_spec("triton") is not None
 
 
 def check(lora) -> None:
     """A clear error, before any rank starts, when lora.dropout_kernel=triton cannot be had."""
-    if lora.enabled and getattr(lora, "dropout_kernel", "torch") == "triton" and (why := available()):
+    if lora.enabled and lora.dropout_kernel == "triton" and (why := available()):
         raise ConfigError(f"lora.dropout_kernel=triton: {why}; set lora.dropout_kernel=torch (torch's dropout, "
                           f"which keeps a bool mask per adapted input)")
+
+
+def drawn_p(p: float) -> float:
+    """The probability the kernels drop an element with: p rounded to a multiple of 2⁻¹⁶."""
+    return round(p * _UNIFORM) / _UNIFORM
+
+
+def _threshold_and_scale(p: float) -> tuple[int, float]:
+    """An element is kept when its 16-bit uniform >= threshold, and then scaled by 1/(1 - drawn_p(p))."""
+    return round(p * _UNIFORM), 1.0 / (1.0 - drawn_p(p))
 
 
 def new_seed(device: torch.device) -> torch.Tensor:
@@ -68,10 +85,12 @@ def _kernels():
 
     from finetune import _lora_dropout_triton as k
 
-    return triton, k.low_rank_kernel, k.input_grad_kernel, k.weight_grad_kernel, k.mask_kernel
+    return triton, k.low_rank_kernel, k.backward_kernel, k.mask_kernel
 
 
-BLOCK_M, BLOCK_K = 64, 64
+# Each kernel's tile (rows, columns; columns a multiple of 8: masks are drawn eight columns at a time), warps and
+# software-pipeline stages; the fastest of benchmarks/lora_dropout_kernels.py's sweep on an H200
+TILES = {"low_rank": (32, 128, 4, 4), "backward": (32, 256, 4, 3), "mask": (64, 64, 4, 3)}
 
 
 def _block_r(r: int) -> int:
@@ -94,41 +113,37 @@ def dropped_low_rank(x: torch.Tensor, a: torch.Tensor, seed: torch.Tensor, p: fl
     triton, low_rank, *_ = _kernels()
     m, k = x.shape
     out = torch.empty(m, a.shape[0], dtype=x.dtype, device=x.device)
-    low_rank[(triton.cdiv(m, BLOCK_M),)](x, a.contiguous(), out, seed, m, k, a.shape[0], p, 1.0 / (1.0 - p),
-                                         PRECISION=_precision(x), BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
-                                         BLOCK_R=_block_r(a.shape[0]))
+    block_m, block_k, warps, stages = TILES["low_rank"]
+    low_rank[(triton.cdiv(m, block_m),)](x, a.contiguous(), out, seed, m, k, a.shape[0], *_threshold_and_scale(p),
+                                         PRECISION=_precision(x), BLOCK_M=block_m, BLOCK_K=block_k,
+                                         BLOCK_R=_block_r(a.shape[0]), num_warps=warps, num_stages=stages)
     return out
 
 
-def add_dropped_input_grad_(grad_x: torch.Tensor, grad_low: torch.Tensor, a: torch.Tensor, seed: torch.Tensor,
-                            p: float) -> torch.Tensor:
-    """grad_x += the input gradient through the adapter, (grad_low·A) dropped with the forward's mask; in place."""
-    _check(grad_x)
-    triton, _, input_grad, *_ = _kernels()
-    m, k = grad_x.shape
-    input_grad[(triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K))](
-        grad_x, grad_low.contiguous(), a.contiguous(), seed, m, k, a.shape[0], p, 1.0 / (1.0 - p),
-        PRECISION=_precision(grad_x), BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_R=_block_r(a.shape[0]))
-    return grad_x
-
-
-def dropped_weight_grad(grad_low: torch.Tensor, x: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
-    """grad_lowᵀ·drop(x): A's gradient [r, in], in x's dtype. The tokens are split over programs (each writes an
-    fp32 partial sum) so that an in-dimension of 4,096 still fills the GPU."""
-    _check(x)
-    triton, _, _, weight_grad, _ = _kernels()
-    m, k = x.shape
+def dropped_backward(grad_low: torch.Tensor, a: torch.Tensor, seed: torch.Tensor, p: float,
+                     grad_x: torch.Tensor | None = None, x: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The adapter's backward through the dropout of the forward that drew `seed`, the mask drawn once for both
+    products: grad_x += (grad_low·A) dropped, in place, when grad_x is given; A's gradient grad_lowᵀ·drop(x) [r, in],
+    in x's dtype, returned when x is given. Programs take a block of columns and a share of the tokens (each writes
+    an fp32 partial sum of A's gradient) so that an in-dimension of 4,096 still fills the GPU."""
+    inputs = grad_x if grad_x is not None else x
+    _check(inputs)
+    triton, _, backward, _ = _kernels()
+    m, k = inputs.shape
     r = grad_low.shape[1]
-    col_blocks = triton.cdiv(k, BLOCK_K)
-    programs = 4 * (torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1)
-    splits = max(1, min(triton.cdiv(m, BLOCK_M), triton.cdiv(programs, col_blocks)))
-    rows_per_split = triton.cdiv(triton.cdiv(m, splits), BLOCK_M) * BLOCK_M
+    block_m, block_k, warps, stages = TILES["backward"]
+    col_blocks = triton.cdiv(k, block_k)
+    programs = 4 * (torch.cuda.get_device_properties(inputs.device).multi_processor_count if inputs.is_cuda else 1)
+    splits = max(1, min(triton.cdiv(m, block_m), triton.cdiv(programs, col_blocks)))
+    rows_per_split = triton.cdiv(triton.cdiv(m, splits), block_m) * block_m
     splits = triton.cdiv(m, rows_per_split)
-    parts = torch.empty(splits, r, k, dtype=torch.float32, device=x.device)
-    weight_grad[(col_blocks, splits)](grad_low.contiguous(), x, parts, seed, m, k, r, p, 1.0 / (1.0 - p),
-                                      rows_per_split, PRECISION=_precision(x), BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
-                                      BLOCK_R=_block_r(r))
-    return parts.sum(0).to(x.dtype)
+    parts = torch.empty(splits if x is not None else 0, r, k, dtype=torch.float32, device=inputs.device)
+    backward[(col_blocks, splits)](inputs if grad_x is None else grad_x, inputs if x is None else x,
+                                   grad_low.contiguous(), a.contiguous(), parts, seed, m, k, r,
+                                   *_threshold_and_scale(p), rows_per_split, INPUT_GRAD=grad_x is not None,
+                                   WEIGHT_GRAD=x is not None, PRECISION=_precision(inputs), BLOCK_M=block_m,
+                                   BLOCK_K=block_k, BLOCK_R=_block_r(r), num_warps=warps, num_stages=stages)
+    return parts.sum(0).to(x.dtype) if x is not None else None
 
 
 def keep_mask(seed: torch.Tensor, shape: tuple[int, int], p: float, device: torch.device) -> torch.Tensor:
@@ -136,5 +151,8 @@ def keep_mask(seed: torch.Tensor, shape: tuple[int, int], p: float, device: torc
     triton, *_, mask = _kernels()
     m, k = shape
     out = torch.empty(m, k, dtype=torch.bool, device=device)
-    mask[(triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K))](out, seed, m, k, p, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
+    block_m, block_k, warps, stages = TILES["mask"]
+    mask[(triton.cdiv(m, block_m), triton.cdiv(k, block_k))](out, seed, m, k, _threshold_and_scale(p)[0],
+                                                            BLOCK_M=block_m, BLOCK_K=block_k, num_warps=warps,
+                                                            num_stages=stages)
     return out

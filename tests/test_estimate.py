@@ -1,6 +1,7 @@
 """The memory estimator against the ZeRO paper's formulas (Mistral-7B's shape and the tiny model, LoRA and full), against
 the bytes real DeepSpeed engines hold on each of 2 ranks, and its activation count against torch's saved tensors."""
 
+import dataclasses
 import json
 import os
 
@@ -14,7 +15,8 @@ from tests.helpers import ROOT, TINY_CONFIG, ds_variant, run_ranks, save_tiny_mo
 
 MISTRAL = json.load(open(os.path.join(ROOT, "recipes", "mistral7b_shape", "config.json")))
 TINY = json.load(open(TINY_CONFIG))
-LORA = LoraConfig(rank=16)  # the default: all seven projections, fused (finetune/fused_lora.py)
+# the default: all seven projections, fused (finetune/fused_lora.py); torch's dropout, as a run on a CPU draws it
+LORA = LoraConfig(rank=16, dropout_kernel="torch")
 UNFUSED = LoraConfig(rank=16, fused=False)  # peft's own forward
 COUNTS = {"mistral": (MISTRAL, 7_241_732_096, 41_943_040), "tiny": (TINY, 8_930_432, 149_504)}
 
@@ -160,7 +162,8 @@ def test_activation_estimate_matches_saved_tensors(lora, attn, packed, fp32_adap
     assert est["saved"] == pytest.approx(measured_bytes, rel=1e-3), (measured_bytes, est)
 
 
-@pytest.mark.parametrize("lora", [None, LoraConfig(rank=16, target_modules=["q_proj", "gate_proj", "up_proj"]), LORA],
+@pytest.mark.parametrize("lora", [None, dataclasses.replace(LORA, target_modules=["q_proj", "gate_proj", "up_proj"]),
+                                  LORA],
                          ids=["full", "lora-without-down_proj", "lora"])
 def test_fused_mlp_estimate_matches_saved_tensors(lora):
     """finetune/fused_mlp.py keeps gate and up only; with LoRA on down_proj it is not installed and nothing changes."""
@@ -221,7 +224,7 @@ def test_peak_estimate_matches_h200_measurements(kind):
     recipe = load_recipe(os.path.join(ROOT, "recipes", f"mistral7b_{kind}.yaml"),
                          [f"model.path={os.path.join(ROOT, 'recipes', 'mistral7b_shape')}", "train.micro_batch_size=4",
                           "model.activation_checkpointing=full", "model.fused_loss=false",
-                          "model.fused_mlp=false"])  # what ran
+                          "model.fused_mlp=false", "lora.dropout_kernel=torch"])  # what ran
     for name, measured in MEASURED_H200[kind].items():
         ds = resolve_ds_config(os.path.join(ROOT, "ds_configs", f"{name}.json"), recipe, 2, MISTRAL["hidden_size"])
         estimated = estimate_run(MISTRAL, recipe, ds, 2)["total"] / GIB

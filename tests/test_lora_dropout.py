@@ -1,15 +1,17 @@
 """LoRA dropout drawn from a seed in Triton kernels (finetune/lora_dropout.py, lora.dropout_kernel). Triton's CPU
 interpreter runs the kernels (fp32) in tests/lora_dropout_cases.py: each kernel equals torch on the mask it draws, the
 fused LoRA function with them equals autograd over that mask, recomputation redraws the same masks, and it keeps a seed
-where torch's path keeps a bool per element. Here: those cases, the estimator's term and the config's errors. On CUDA
-(bf16, Mistral-7B's widths, speed) the same checks are tests/test_gpu_lora_dropout.py."""
+where torch's path keeps a bool per element. Here: those cases, the estimator's term, what `auto` resolves to and the
+config's errors. On CUDA (bf16, Mistral-7B's widths) the same checks are tests/test_gpu_lora_dropout.py."""
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from finetune import lora_dropout
 from finetune.config import ConfigError, LoraConfig, load_recipe
@@ -25,7 +27,7 @@ def test_kernels_under_tritons_interpreter():
                           "tests/lora_dropout_cases.py"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
-    assert re.search(r"\b5 passed\b", out.stdout), out.stdout[-2000:]
+    assert re.search(r"\b6 passed\b", out.stdout), out.stdout[-2000:]
 
 
 def test_estimator_drops_the_masks_with_the_kernels():
@@ -38,7 +40,20 @@ def test_estimator_drops_the_masks_with_the_kernels():
         return estimate_activations(cfg, lora, 32, 2, "none", 2, "sdpa", False, adapter_dtype_bytes=2)["total"]
 
     assert activations("torch") - activations("triton") == 2 * 32 * 2 * (6 * 64 + 160)  # layers x tokens x widths
-    assert LoraConfig().dropout_kernel == "torch"  # the default: the estimate of the default run keeps the masks
+    # the default, auto: the kernels on a CUDA GPU with Triton, which the estimate (of GPU memory) assumes
+    assert LoraConfig().dropout_kernel == "auto"
+    assert activations("auto") == activations("triton")
+
+
+def test_auto_takes_the_kernels_on_cuda_with_triton_only(monkeypatch):
+    assert lora_dropout.uses_kernels("auto", cuda=True)  # triton is in the dev extra
+    assert not lora_dropout.uses_kernels("auto", cuda=False)
+    assert not lora_dropout.uses_kernels("torch", cuda=True) and lora_dropout.uses_kernels("triton", cuda=False)
+    assert lora_dropout.uses_kernels("auto") == torch.cuda.is_available()  # this machine
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else real_find_spec(name, *a))
+    assert not lora_dropout.uses_kernels("auto", cuda=True)
 
 
 def test_triton_without_cuda_is_a_config_error():
