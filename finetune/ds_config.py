@@ -159,6 +159,12 @@ def emulated_bf16_note(ds: dict[str, Any]) -> str | None:
             f"ds_configs/zero3_fp32.json")
 
 
+def quickstart_ds_config() -> str:
+    """The DeepSpeed file launch/quickstart.sh trains the tiny recipe with (and its test, tests/test_tiny_recipe.py):
+    ZeRO-3 in bf16, or in fp32 on a CPU without native bf16 (there bf16 ran past 10 minutes; fp32 took 83 s)."""
+    return "ds_configs/zero3_fp32.json" if emulated_bf16_note({"bf16": {"enabled": True}}) else "ds_configs/zero3.json"
+
+
 def offloads_optimizer(ds: dict[str, Any]) -> bool:
     device = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
     return device in ("cpu", "nvme")

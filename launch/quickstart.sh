@@ -12,6 +12,6 @@ fi
 port=$(python -c 'from finetune.dist import free_port; print(free_port())')
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
 # bf16, except on a CPU without native bf16, where torch emulates it many times slower: fp32 there
-ds=$(python -c 'from finetune.ds_config import emulated_bf16_note as n; print("zero3_fp32" if n({"bf16": {"enabled": True}}) else "zero3")')
+ds=$(python -c 'from finetune.ds_config import quickstart_ds_config; print(quickstart_ds_config())')
 deepspeed --num_gpus 2 --master_addr 127.0.0.1 --master_port "$port" \
-  finetune/main.py --deepspeed "ds_configs/$ds.json" --config recipes/tiny.yaml train.overwrite=true "$@"
+  finetune/main.py --deepspeed "$ds" --config recipes/tiny.yaml train.overwrite=true "$@"

@@ -8,14 +8,8 @@ import subprocess
 
 import pytest
 
-from finetune.ds_config import emulated_bf16_note
+from finetune.ds_config import quickstart_ds_config
 from tests.helpers import ROOT, TINY_RECIPE, VENV_BIN, free_port, loopback_env, run_ranks, save_tiny_model
-
-
-def quickstart_ds_config() -> str:
-    """The DeepSpeed file launch/quickstart.sh uses here: ZeRO-3 in bf16, or in fp32 on a CPU without native bf16
-    (emulated bf16 ran the tiny recipe past 10 minutes on an AVX2-only machine; fp32 took 83 s)."""
-    return "ds_configs/zero3_fp32.json" if emulated_bf16_note({"bf16": {"enabled": True}}) else "ds_configs/zero3.json"
 
 
 @pytest.fixture(scope="module")
