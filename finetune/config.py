@@ -67,8 +67,8 @@ class LoraConfig:
     dropout_kernel: Literal["auto", "torch", "triton"] = "auto"
     """With lora.fused and dropout > 0: `triton` draws each mask from a seed inside Triton kernels (CUDA;
     finetune/lora_dropout.py) and keeps none (Mistral-7B at 8 rows of 2,048 tokens on an H200: 20 GiB less, 6-8%
-    faster); `torch` keeps native_dropout's bool mask per adapter; `auto`: triton on a CUDA GPU with Triton installed,
-    else torch. Other masks, the same distribution."""
+    faster); `torch` keeps native_dropout's bool mask per adapter; `auto`: triton on an NVIDIA GPU of compute
+    capability 8.0+ with Triton 3.0+, else torch. Other masks, the same distribution."""
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )

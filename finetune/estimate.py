@@ -71,12 +71,15 @@ def _lora(lora_cfg: Any) -> dict[str, Any] | None:
     targets = list(d.get("target_modules") or [])
     if not targets or not set(targets) <= set(LORA_TARGETS):
         raise ValueError(f"lora.target_modules {targets!r}: the estimator knows {', '.join(LORA_TARGETS)}")
+    import torch
+
     from finetune.lora_dropout import uses_kernels
 
-    # lora.dropout_kernel resolved as a run on a CUDA GPU resolves it: these are estimates of GPU memory
+    # lora.dropout_kernel resolved as a run on this machine's GPU resolves it, or, without one, on a recent NVIDIA GPU:
+    # these are estimates of GPU memory
+    seeded = uses_kernels(d.get("dropout_kernel", "auto"), cuda=None if torch.cuda.is_available() else True)
     return {"rank": int(d["rank"]), "targets": targets, "dropout": float(d.get("dropout", 0.0)),
-            "fused": bool(d.get("fused", False)),
-            "seeded_dropout": uses_kernels(d.get("dropout_kernel", "auto"), cuda=True)}
+            "fused": bool(d.get("fused", False)), "seeded_dropout": seeded}
 
 
 def lora_parameters(cfg: dict[str, Any], lora_cfg: Any) -> int:

@@ -27,8 +27,10 @@ lora.dropout_kernel=auto takes these kernels wherever they can run.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.util
 import os
+import re
 
 import torch
 
@@ -38,22 +40,43 @@ MAX_ELEMENTS = 2**31 - 1  # the kernels' offsets row·in + col are int32; larger
 _UNIFORM = 2**16  # the resolution of the kernels' uniforms (16 bits each)
 
 
-def available() -> str | None:
-    """Why the Triton dropout cannot run here, or None when it can (CUDA, or Triton's CPU interpreter for tests)."""
+MIN_TRITON = (3, 0)  # tl.join, with which each draw serves eight elements
+
+
+def _triton_problem() -> str | None:
+    """Why the installed Triton cannot compile the kernels, or None."""
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
+    version = importlib.metadata.version("triton")
+    if tuple(int(n) for n in re.findall(r"\d+", version)[:2]) < MIN_TRITON:
+        return f"triton {version} is older than {'.'.join(map(str, MIN_TRITON))}"
+    return None
+
+
+def available() -> str | None:
+    """Why the Triton dropout cannot run here, or None when it can (CUDA, or Triton's CPU interpreter for tests)."""
+    if why := _triton_problem():
+        return why
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         return "its Triton kernels need a CUDA GPU"
     return None
 
 
+def _auto_gpu() -> bool:
+    """The GPUs `auto` takes the kernels on: NVIDIA's, compute capability 8.0 or newer (bf16 tensor cores; measured on
+    an H200). Elsewhere (older cards, ROCm) `triton` still asks for them."""
+    return torch.cuda.is_available() and torch.version.cuda is not None and torch.cuda.get_device_capability() >= (8, 0)
+
+
 def uses_kernels(dropout_kernel: str, cuda: bool | None = None) -> bool:
     """Whether fused LoRA layers with dropout draw their masks here: lora.dropout_kernel `triton`, or `auto` (the
-    default) where the run is on a CUDA GPU (cuda; None: whether this machine has one) and Triton is installed."""
+    default) with Triton 3.0 or newer on a GPU `_auto_gpu` accepts. cuda: None = this machine's GPU decides; True =
+    assume such a GPU (the estimator on a machine without one); False = none."""
     if dropout_kernel != "auto":
         return dropout_kernel == "triton"
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    return cuda and importlib.util.find_spec("triton") is not None
+    if _triton_problem():
+        return False
+    return _auto_gpu() if cuda is None else cuda
 
 
 def check(lora) -> None:

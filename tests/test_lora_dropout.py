@@ -4,6 +4,7 @@ fused LoRA function with them equals autograd over that mask, recomputation redr
 where torch's path keeps a bool per element. Here: those cases, the estimator's term, what `auto` resolves to and the
 config's errors. On CUDA (bf16, Mistral-7B's widths) the same checks are tests/test_gpu_lora_dropout.py."""
 
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -11,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from finetune import lora_dropout
 from finetune.config import ConfigError, LoraConfig, load_recipe
@@ -49,7 +49,13 @@ def test_auto_takes_the_kernels_on_cuda_with_triton_only(monkeypatch):
     assert lora_dropout.uses_kernels("auto", cuda=True)  # triton is in the dev extra
     assert not lora_dropout.uses_kernels("auto", cuda=False)
     assert not lora_dropout.uses_kernels("torch", cuda=True) and lora_dropout.uses_kernels("triton", cuda=False)
-    assert lora_dropout.uses_kernels("auto") == torch.cuda.is_available()  # this machine
+    assert lora_dropout.uses_kernels("auto") == lora_dropout._auto_gpu()  # this machine: an NVIDIA GPU, sm 8.0+
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.3.1" if name == "triton" else real_version(name))
+    assert not lora_dropout.uses_kernels("auto", cuda=True)  # tl.join needs Triton 3.0
+    recipe = load_recipe(TINY_RECIPE, ["lora.enabled=true", "lora.dropout_kernel=triton"])
+    with pytest.raises(ConfigError, match=r"lora\.dropout_kernel=triton: triton 2\.3\.1 is older than 3\.0; set "):
+        lora_dropout.check(recipe.lora)
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "triton" else real_find_spec(name, *a))
