@@ -66,7 +66,7 @@ class LoraConfig:
     false = peft's own forward. Same maths; it skips a copy of the input per adapter, two passes over each output."""
     dropout_kernel: Literal["auto", "torch", "triton"] = "auto"
     """With lora.fused and dropout > 0: `triton` draws each mask from a seed inside Triton kernels (CUDA;
-    finetune/lora_dropout.py) and keeps none (Mistral-7B at 8 rows of 2,048 tokens on an H200: 20 GiB less, 6-8%
+    finetune/lora_dropout.py) and keeps none (Mistral-7B at 8 rows of 2,048 tokens on an H200: 20 GiB less, 4-8%
     faster); `torch` keeps native_dropout's bool mask per adapter; `auto`: triton on an NVIDIA GPU of compute
     capability 8.0+ with Triton 3.0+, else torch. Other masks, the same distribution."""
     target_modules: list[str] = field(

@@ -128,7 +128,7 @@ def install_fused_lora(model: torch.nn.Module, zero_stage: int, dropout_kernel: 
     """Swap every peft lora.Linear in model for FusedLoraLinear; returns how many. Under ZeRO-3, call it before
     deepspeed.initialize, which registers the parameter hooks. dropout_kernel (lora.dropout_kernel): `triton` draws
     the dropout masks from a seed in finetune/lora_dropout.py's kernels, `torch` keeps native_dropout's bool mask per
-    adapter, `auto` is triton on a CUDA GPU with Triton installed."""
+    adapter, `auto` is triton where lora_dropout.uses_kernels says (NVIDIA, compute capability 8.0+, Triton 3.0+)."""
     from peft.tuners.lora.layer import Linear
 
     seeded = lora_dropout.uses_kernels(dropout_kernel)
