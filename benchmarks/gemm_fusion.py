@@ -19,19 +19,22 @@ GROUPS = {"q/k/v": [4096, 1024, 1024], "gate/up": [14336, 14336]}  # output widt
 HIDDEN, LAYERS = 4096, 32
 
 
+def _once(fn) -> float:
+    """Milliseconds of one CUDA-timed call of fn."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
 def _time(fn, repeat: int) -> float:
     """Median milliseconds of fn over `repeat` CUDA-timed calls, after a warm-up."""
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    times = sorted(_once(fn) for _ in range(repeat))
+    return times[len(times) // 2]
 
 
 def layer_gemms(x: torch.Tensor, weights: list[torch.Tensor], grads: list[torch.Tensor]) -> None:

@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.gemm_fusion import _time  # noqa: E402
+from benchmarks.gemm_fusion import _once, _time  # noqa: E402
 from finetune import lora_dropout  # noqa: E402
 from finetune.fused_lora import LoraLinearFunction  # noqa: E402
 
@@ -27,16 +27,6 @@ from finetune.fused_lora import LoraLinearFunction  # noqa: E402
 PROJECTIONS = {"q": (4096, 4096), "k": (4096, 1024), "v": (4096, 1024), "o": (4096, 4096),
                "gate": (4096, 14336), "up": (4096, 14336), "down": (14336, 4096)}
 LAYERS, RANK, P = 32, 16, 0.05
-
-
-def _once(fn) -> float:
-    """Milliseconds of one CUDA-timed call of fn."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end)
 
 
 VARIANTS = {"none": (0.0, False), "torch": (P, False), "triton": (P, True)}  # (dropout, seeded)

@@ -93,7 +93,8 @@ def drawn_p(p: float) -> float:
 
 def _threshold_and_scale(p: float) -> tuple[int, float]:
     """An element is kept when its 16-bit uniform >= threshold, and then scaled by 1/(1 - drawn_p(p))."""
-    return round(p * _UNIFORM), 1.0 / (1.0 - drawn_p(p))
+    threshold = round(p * _UNIFORM)
+    return threshold, _UNIFORM / (_UNIFORM - threshold)
 
 
 def new_seed(device: torch.device) -> torch.Tensor:
@@ -161,7 +162,8 @@ def dropped_backward(grad_low: torch.Tensor, a: torch.Tensor, seed: torch.Tensor
     rows_per_split = triton.cdiv(triton.cdiv(m, splits), block_m) * block_m
     splits = triton.cdiv(m, rows_per_split)
     parts = torch.empty(splits if x is not None else 0, r, k, dtype=torch.float32, device=inputs.device)
-    backward[(col_blocks, splits)](inputs if grad_x is None else grad_x, inputs if x is None else x,
+    # a kernel pointer that a product does not use points at the tensor given
+    backward[(col_blocks, splits)](inputs, inputs if x is None else x,
                                    grad_low.contiguous(), a.contiguous(), parts, seed, m, k, r,
                                    *_threshold_and_scale(p), rows_per_split, INPUT_GRAD=grad_x is not None,
                                    WEIGHT_GRAD=x is not None, PRECISION=_precision(inputs), BLOCK_M=block_m,
