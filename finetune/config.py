@@ -113,6 +113,9 @@ class OptimConfig:
     """Clip the global gradient norm to this (0 = off)."""
     implementation: Literal["torch", "deepspeed"] = "torch"
     """On GPU: torch's fused AdamW (no compiler needed) or DeepSpeed's FusedAdam (JIT-built with nvcc)."""
+    overflow_check: Literal["norm", "deepspeed"] = "norm"
+    """How ZeRO-1/2 in bf16 finds a non-finite gradient, to skip that step: `norm`, by the global gradient norm
+    alone; `deepspeed`, also by DeepSpeed's test of every tensor before it (same result, a host sync more)."""
 
 
 @dataclass

@@ -120,7 +120,8 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
     from finetune.metrics import MetricsLog, peak_memory_gib, peak_reserved_gib, peak_tflops, training_flops
     from finetune.model import build_model, trainable_parameters
     from finetune.optim import build_optimizer, clip_grad_norm_exact
-    from finetune.profiling import step_profiler
+    from finetune.overflow_check import install_overflow_check
+    from finetune.profiling import phase, step_profiler
 
     r, t = run.recipe, run.recipe.train
     dist.init()
@@ -159,6 +160,7 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
         checkpoint.prepare_reshard(run.resume_from)
         engine_cfg["checkpoint"] = {"load_universal": True}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=engine_cfg)
+    install_overflow_check(engine, r.optim.overflow_check)
     device = dist.device()
     synced = zero_stage(run.ds) == 3 and world > 1
     own_clipping = zero_stage(run.ds) == 0  # gradients are all-reduced in the boundary backward, before step()
@@ -201,19 +203,23 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
         losses = []  # each micro-batch's summed token loss, left on the device: reading one would stall it
         with step_profiler(step + 1 == t.profile_step, t.output_dir, step + 1, dist.is_main()):
             for i, mb in enumerate(micro_batches):
-                token_sum = micro_batch_loss_sum(engine, mb, device, r.model.fused_loss)
-                losses.append(token_sum.detach())
-                watch = NonfiniteWatch(losses) if i == len(micro_batches) - 1 else None
-                # DeepSpeed divides by grad_accum and averages over ranks; undo both so the step's gradient is
-                # sum(token losses of the whole global batch) / (its number of target tokens).
-                engine.backward(token_sum * (world * t.grad_accum / max(n_targets, 1.0)))
-                # Asked once the backward is queued (the device keeps working), and before the optimizer step,
-                # which is what a non-finite loss must never reach.
-                if watch is not None and watch.found():
-                    _stop_on_nonfinite(engine, run, step, micro_batches, losses)
-                if own_clipping and engine.is_gradient_accumulation_boundary():
-                    grad_norm = clip_grad_norm_exact(engine.module.parameters(), r.optim.grad_clip)
-                engine.step()
+                with phase("forward"):
+                    token_sum = micro_batch_loss_sum(engine, mb, device, r.model.fused_loss)
+                    losses.append(token_sum.detach())
+                    watch = NonfiniteWatch(losses) if i == len(micro_batches) - 1 else None
+                with phase("backward"):
+                    # DeepSpeed divides by grad_accum and averages over ranks; undo both so the step's gradient is
+                    # sum(token losses of the whole global batch) / (its number of target tokens).
+                    engine.backward(token_sum * (world * t.grad_accum / max(n_targets, 1.0)))
+                with phase("nonfinite check"):
+                    # Asked once the backward is queued (the device keeps working), and before the optimizer step,
+                    # which is what a non-finite loss must never reach.
+                    if watch is not None and watch.found():
+                        _stop_on_nonfinite(engine, run, step, micro_batches, losses)
+                with phase("optimizer step"):
+                    if own_clipping and engine.is_gradient_accumulation_boundary():
+                        grad_norm = clip_grad_norm_exact(engine.module.parameters(), r.optim.grad_clip)
+                    engine.step()
         # The host is ahead of the device here (the optimizer step is still running there): build the next step's
         # micro-batches now, and reduce their target count with this step's sums in one collective, so the next
         # step's first kernel follows this step's last without the device waiting for the host.

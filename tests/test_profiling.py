@@ -23,6 +23,9 @@ def test_profile_step_writes_time_by_kernel_kind(tmp_path):
     assert report["categories_s"]["matmul"] > 0 and 0 < report["busy_s"]
     assert any(r["name"] == "aten::mm" or r["name"] == "aten::addmm" for r in report["top"])
     assert "profile of step 2" in (out / "profile_step2.txt").read_text()
+    # the train loop's host phases, each with the host time it took
+    assert set(report["host_phases_s"]) == {"forward", "backward", "nonfinite check", "optimizer step"}
+    assert report["host_phases_s"]["backward"] > 0 and report["idle_by_phase_s"] == {}  # no device timeline on CPU
     assert not (out / "profile_step1.json").exists() and not (out / "profile_step3.json").exists()
 
 
@@ -43,7 +46,8 @@ def test_profile_categories(name, kind):
 @pytest.mark.parametrize("name, counted", [
     ("nccl:_all_gather_base", False), ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", True),
     ("Optimizer.step#AdamW.step", False), ("Command Buffer Full", False), ("record_param_comms", False),
-    ("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT", True), ("Memcpy DtoD (Device -> Device)", True)])
+    ("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT", True), ("Memcpy DtoD (Device -> Device)", True),
+    ("zerotune:backward", False)])
 def test_annotations_mirroring_kernels_are_not_counted(name, counted):
     """The H200 profile of full ZeRO-3 listed `nccl:_all_gather_base` beside its kernel, with the same 0.395 s."""
     from finetune.profiling import is_kernel
@@ -59,3 +63,15 @@ def test_timeline_splits_the_span_into_compute_exposed_communication_and_idle():
     t = timeline([(0, 4, False), (3, 6, False), (5, 8, True), (9, 10, False)])
     assert t == {"span": 10, "compute": 7, "exposed_comm": 2, "idle": 1}
     assert timeline([]) == {"span": 0.0, "compute": 0.0, "exposed_comm": 0.0, "idle": 0.0}
+
+
+def test_idle_time_is_split_by_the_host_phase_it_fell_in():
+    """Kernels 0-2, 3-5, 5.5-6, 9-10: gaps 2-3, 5-5.5 and 6-9. The host was in `backward` over 1.5-3.2 and in
+    `optimizer step` over 5.8-8; the gaps' other 1.5 s (5-5.5, 8-9) fell outside both."""
+    from finetune.profiling import idle_by_phase
+
+    split = idle_by_phase([(0, 2), (3, 5), (5.5, 6), (9, 10), (1, 1.5)],
+                          [("backward", 1.5, 3.2), ("optimizer step", 5.8, 8.0)])
+    assert split == pytest.approx({"optimizer step": 2.0, "other host work": 1.5, "backward": 1.0})
+    assert list(split) == ["optimizer step", "other host work", "backward"]  # largest first
+    assert idle_by_phase([(0, 1), (0.5, 2)], [("forward", 0, 2)]) == {}  # no gap, no idle
