@@ -10,6 +10,7 @@ but a different value is an error naming both files, and an "auto" we do not kno
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -136,9 +137,10 @@ def bf16_enabled(ds: dict[str, Any]) -> bool:
     return bool(ds.get("bf16", {}).get("enabled", False))
 
 
+@functools.cache
 def native_cpu_bf16() -> bool:
     """Whether this CPU computes bf16 natively (oneDNN's AVX-512 paths). Without them (e.g. an AVX2-only CPU) torch
-    emulates bf16 GEMMs: the tiny recipe's output layer ran 10-50x slower than in fp32 on such a machine."""
+    emulates bf16 GEMMs, 10-100x slower than fp32 ones (finetune/loss.py runs the output layer's in fp32 there)."""
     import torch
 
     try:
@@ -154,14 +156,14 @@ def emulated_bf16_note(ds: dict[str, Any]) -> str | None:
     if not bf16_enabled(ds) or torch.cuda.is_available() or native_cpu_bf16():
         return None
     return (f"note: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bf16, so torch emulates it: a "
-            f"bf16 run here is many times slower than fp32 (the tiny recipe: 83 s in fp32, over 10 minutes in bf16). "
+            f"bf16 run here is slower than fp32 (the tiny recipe on 2 cores: 134 s in fp32, 186 s in bf16). "
             f"For a CPU run, pass a DeepSpeed file with \"bf16\": {{\"enabled\": false}}, e.g. "
             f"ds_configs/zero3_fp32.json")
 
 
 def quickstart_ds_config() -> str:
     """The DeepSpeed file launch/quickstart.sh trains the tiny recipe with (and its test, tests/test_tiny_recipe.py):
-    ZeRO-3 in bf16, or in fp32 on a CPU without native bf16 (there bf16 ran past 10 minutes; fp32 took 83 s)."""
+    ZeRO-3 in bf16, or in fp32 on a CPU without native bf16 (there fp32 took 134 s on 2 cores, bf16 186 s)."""
     return "ds_configs/zero3_fp32.json" if emulated_bf16_note({"bf16": {"enabled": True}}) else "ds_configs/zero3.json"
 
 

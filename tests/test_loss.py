@@ -59,6 +59,32 @@ def test_bf16_error_is_of_the_plain_bf16_path_order():
         assert (fused_value - exact).abs().max() <= 2 * plain_error
 
 
+@pytest.mark.parametrize("chunk_rows", [16, 1000])
+def test_bf16_gemms_in_fp32_equal_the_bf16_gemms(chunk_rows):
+    """upcast (a CPU without native bf16): fp32 GEMMs rounded to bf16 once give the 16-bit GEMMs' values, up to
+    summation order (a bf16 GEMM accumulates in fp32 too): the loss within 1e-5 relative, gradients within one bf16
+    rounding step (2^-8 relative)."""
+    results = []
+    for upcast in (False, True):
+        h, w, t = _case(torch.bfloat16, rows=64, hidden=32, vocab=200)
+        loss = linear_cross_entropy_sum(h, w, t, chunk_rows=chunk_rows, upcast=upcast)
+        loss.backward()
+        results.append((loss.detach(), h.grad.float(), w.grad.float()))
+    (loss16, gh16, gw16), (loss32, gh32, gw32) = results
+    torch.testing.assert_close(loss32, loss16, rtol=1e-5, atol=0)
+    torch.testing.assert_close(gh32, gh16, rtol=2 ** -8, atol=1e-6)
+    torch.testing.assert_close(gw32, gw16, rtol=2 ** -8, atol=1e-6)
+    assert gw32.dtype == torch.float32 and torch.count_nonzero(gh32[::4]) == 0
+
+
+def test_upcast_is_chosen_where_bf16_would_be_emulated():
+    from finetune.ds_config import native_cpu_bf16
+    from finetune.loss import emulated_bf16
+
+    assert emulated_bf16(torch.zeros(2, dtype=torch.bfloat16)) is not native_cpu_bf16()
+    assert not emulated_bf16(torch.zeros(2))  # fp32 is never emulated
+
+
 def test_no_gradient_work_without_grad():
     h, w, t = _case(torch.float32)
     with torch.no_grad():
