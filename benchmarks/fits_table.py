@@ -16,9 +16,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from finetune.budget import plan_memory  # noqa: E402
+from finetune.memory.budget import plan_memory  # noqa: E402
 from finetune.config import ConfigError, load_recipe  # noqa: E402
-from finetune.estimate import GIB, recomputed_layers  # noqa: E402
+from finetune.memory.estimate import GIB, recomputed_layers  # noqa: E402
 
 SHORT = {"zero0.json": "ZeRO-0", "zero1.json": "ZeRO-1", "zero2.json": "ZeRO-2", "zero3.json": "ZeRO-3",
          "zero2_offload.json": "ZeRO-2 + CPU optimizer", "zero3_offload_optimizer.json": "ZeRO-3 + CPU optimizer",

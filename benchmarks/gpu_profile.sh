@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Profile one step of zerotune at its defaults on the GPU machine (train.profile_step): time per kind of kernel.
 #   GPUS=2 bash benchmarks/gpu_profile.sh lora_zero2 full_zero2     (KIND_ZEROn; 8 rows of 2,048 tokens per GPU per step)
-# Writes $OUT/profile_<config>.txt and .json (finetune/profiling.py). Carry .whl and .gpu as for gpu_vs_peer.sh.
+# Writes $OUT/profile_<config>.txt and .json (finetune/perf/profiling.py). Carry .whl and .gpu as for gpu_vs_peer.sh.
 source benchmarks/gpu_setup.sh
 for config in "$@"; do
   kind=${config%_*}; zero=${config#*_}; out=/tmp/prof_$config

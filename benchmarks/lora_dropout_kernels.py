@@ -1,5 +1,5 @@
 """What does LoRA's input dropout cost per step, and which way is cheapest? Times one fused LoRA projection (forward
-and backward, finetune/fused_lora.py) at each of Mistral-7B's seven projection shapes, bf16, r 16, dropout 0.05, with
+and backward, finetune/perf/fused_lora.py) at each of Mistral-7B's seven projection shapes, bf16, r 16, dropout 0.05, with
 torch's dropout (a bool mask kept per adapter), with the seeded Triton kernels (lora.dropout_kernel=triton, nothing
 kept) and with no dropout (the floor), on one GPU. With --sweep it first times each Triton kernel alone at each tile
 (rows x columns x warps) for inputs 4,096 and 14,336 wide, and takes the fastest per kernel for the projections.
@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.gemm_fusion import _once, _time  # noqa: E402
-from finetune import lora_dropout  # noqa: E402
-from finetune.fused_lora import LoraLinearFunction  # noqa: E402
+from finetune.perf import lora_dropout  # noqa: E402
+from finetune.perf.fused_lora import LoraLinearFunction  # noqa: E402
 
 # Mistral-7B's projections, (in, out): q, k, v, o, gate, up, down
 PROJECTIONS = {"q": (4096, 4096), "k": (4096, 1024), "v": (4096, 1024), "o": (4096, 4096),
@@ -61,7 +61,7 @@ def layer_ms(tokens: int, repeat: int) -> dict[str, float]:
 
 
 def kernel_ms(kernel: str, tokens: int, width: int, repeat: int) -> dict[str, float]:
-    """Milliseconds of one Triton kernel (finetune/lora_dropout.py) alone on a [tokens, width] input, r 16, and of
+    """Milliseconds of one Triton kernel (finetune/perf/lora_dropout.py) alone on a [tokens, width] input, r 16, and of
     the torch ops that do its work with torch's dropout (mask given) and with none. (x stands in for grad_x too.)"""
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16, generator=g)

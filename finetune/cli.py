@@ -31,19 +31,19 @@ def main(argv: list[str] | None = None) -> int:
     if command == "train":
         from finetune.train import main as run
     elif command == "launch":
-        from finetune.launcher import main as run
+        from finetune.multinode.launcher import main as run
     elif command == "export":
         from finetune.export import main as run
     elif command == "preprocess":
-        from finetune.preprocess import main as run
+        from finetune.commands.preprocess import main as run
     elif command == "compare":
-        from finetune.compare import main as run
+        from finetune.commands.compare import main as run
     elif command == "estimate":
-        from finetune.estimate_cli import main as run
+        from finetune.commands.estimate import main as run
     elif command == "plot":
-        from finetune.curves import main as run
+        from finetune.commands.plot import main as run
     elif command == "chat":
-        from finetune.chat import main as run
+        from finetune.commands.chat import main as run
     else:
         print(f"zerotune: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

@@ -40,15 +40,15 @@ class ModelConfig:
     activation_checkpointing: Literal["auto", "none", "selective", "full"] = "auto"
     """`full` recomputes every decoder layer in backward, `selective` `recompute_layers` of them, `none` keeps all
     activations; `auto`: on a GPU, the least recomputation (and the micro-batch) that fits its memory, from the
-    estimator (finetune/budget.py); without a GPU, `none`."""
+    estimator (finetune/memory/budget.py); without a GPU, `none`."""
     recompute_layers: int | None = None
     """Decoder layers recomputed under `selective`, spread evenly over the model; null = every second one, or under
     `auto` the fewest that fit the GPU (each layer kept costs memory, each recomputed one a layer's forward GEMMs)."""
     fused_loss: bool = True
-    """Compute the output layer and the loss a chunk of tokens at a time, never holding the whole logits (finetune/loss.py)."""
+    """Compute the output layer and the loss a chunk of tokens at a time, never holding the whole logits (finetune/perf/fused_loss.py)."""
     fused_mlp: bool = True
     """Each MLP's SwiGLU product and down projection as one function that rebuilds the product in backward instead of
-    keeping it (finetune/fused_mlp.py): the same gradients, 20% less activation memory per layer."""
+    keeping it (finetune/perf/fused_mlp.py): the same gradients, 20% less activation memory per layer."""
     kernels: Literal["auto", "liger", "none"] = "auto"
     """Fused Triton kernels for RMSNorm, SwiGLU and RoPE: `liger` (liger-kernel, CUDA), `auto` = liger when it is
     installed and the run is on CUDA, `none` = transformers' own modules."""
@@ -62,11 +62,11 @@ class LoraConfig:
     alpha: int = 32
     dropout: float = 0.05
     fused: bool = True
-    """Each adapted projection as one autograd function, base GEMM and adapter together (finetune/fused_lora.py);
+    """Each adapted projection as one autograd function, base GEMM and adapter together (finetune/perf/fused_lora.py);
     false = peft's own forward. Same maths; it skips a copy of the input per adapter, two passes over each output."""
     dropout_kernel: Literal["auto", "torch", "triton"] = "auto"
     """With lora.fused and dropout > 0: `triton` draws each mask from a seed inside Triton kernels (CUDA;
-    finetune/lora_dropout.py) and keeps none (Mistral-7B at 8 rows of 2,048 tokens on an H200: 20 GiB less, 4-8%
+    finetune/perf/lora_dropout.py) and keeps none (Mistral-7B at 8 rows of 2,048 tokens on an H200: 20 GiB less, 4-8%
     faster); `torch` keeps native_dropout's bool mask per adapter; `auto`: triton on an NVIDIA GPU of compute
     capability 8.0+ with Triton 3.0+, else torch. Other masks, the same distribution."""
     target_modules: list[str] = field(

@@ -140,7 +140,7 @@ def bf16_enabled(ds: dict[str, Any]) -> bool:
 @functools.cache
 def native_cpu_bf16() -> bool:
     """Whether this CPU computes bf16 natively (oneDNN's AVX-512 paths). Without them (e.g. an AVX2-only CPU) torch
-    emulates bf16 GEMMs, 10-100x slower than fp32 ones (finetune/loss.py runs the output layer's in fp32 there)."""
+    emulates bf16 GEMMs, 10-100x slower than fp32 ones (finetune/perf/fused_loss.py runs the output layer's in fp32 there)."""
     import torch
 
     try:

@@ -1,39 +1,18 @@
 """The training loss: the sum of next-token cross-entropies over target positions, in fp32.
 
-    token_sum, n_targets = token_loss_sum(logits, targets)            # logits materialised (eval, fused_loss=false)
-    with fused_loss(model, targets): token_sum = engine(...).logits   # model.fused_loss=true: logits never held whole
+    token_sum, n_targets = token_loss_sum(logits, targets)      # from materialised logits (eval, fused_loss=false)
+    token_sum = micro_batch_loss_sum(engine, mb, device, fused)  # one training micro-batch, either path
 
-A 7B model's logits are the largest activation of a step: vocabulary 32,000 x 2,048 tokens x 4 rows is 0.5 GB in
-bf16, and the loss copies them to fp32 and keeps an fp32 log-softmax for backward (2.6 GB per micro-batch of 4 rows).
-The fused path computes the output projection and the loss a chunk of rows at a time and its gradients in the same
-pass (as liger-kernel's fused linear cross-entropy does), so only one chunk's logits exist at any moment.
-
-It runs inside the output layer's own forward (the head module's class is swapped, its parameter names are kept), so
-ZeRO-3 gathers the head's weight for it exactly as for the plain projection, and checkpoints and exports are
-unchanged.
-
-On a CPU without native bf16 (AVX2-only: torch emulates bf16 GEMMs there) the head's bf16 GEMMs run in fp32 on
-upcast copies and are rounded to bf16 once, as a bf16 GEMM's fp32 accumulator is: the same values up to summation
-order. The output layer's input gradient (K = 32,000) took 15 s per 256 tokens emulated against 0.12 s in fp32 on
-such a machine, most of a tiny bf16 training step's time.
+The step's gradient is this sum over the whole global batch divided by its number of target tokens (train.py
+scales each micro-batch's backward so); the fused path (finetune/perf/fused_loss.py) computes the same sum without
+the logits.
 """
 
 from __future__ import annotations
 
-import contextlib
-
-import torch
 import torch.nn.functional as F
 
-CHUNK_ROWS = 1024
-"""Rows of logits computed at once: 1,024 x 32,000 fp32 is 131 MB."""
-
-
-def emulated_bf16(t: torch.Tensor) -> bool:
-    """Whether a GEMM on t would run in torch's emulated bf16 (a bf16 CPU tensor on a CPU without native bf16)."""
-    from finetune.ds_config import native_cpu_bf16
-
-    return t.dtype == torch.bfloat16 and t.device.type == "cpu" and not native_cpu_bf16()
+from finetune.perf.fused_loss import fused_loss
 
 
 def token_loss_sum(logits, targets):
@@ -43,89 +22,11 @@ def token_loss_sum(logits, targets):
     return loss, int((flat != -100).sum())
 
 
-class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """sum_i CE(hidden_i @ weight.T, target_i) over targets != -100, with d/dhidden and d/dweight computed in forward."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_rows, grad_enabled, upcast):
-        # Inside forward autograd is off; whether a backward will follow was decided by the caller.
-        grad_hidden = torch.empty_like(hidden) if grad_enabled and hidden.requires_grad else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if grad_enabled and weight.requires_grad else None
-        needs_grad = grad_hidden is not None or grad_weight is not None
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        # Each GEMM below is rounded to the model's dtype, as nn.Linear's is; with upcast its operands are fp32 copies.
-        gemm_weight = weight.float() if upcast else weight
-        for start in range(0, hidden.shape[0], chunk_rows):
-            rows = hidden[start:start + chunk_rows]
-            gemm_rows = rows.float() if upcast else rows
-            target = targets[start:start + chunk_rows]
-            logits = (gemm_rows @ gemm_weight.t()).to(hidden.dtype).float()
-            valid = target != -100
-            safe = torch.where(valid, target, 0)
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, safe.unsqueeze(1)).squeeze(1)
-            total += torch.where(valid, lse - picked, 0.0).sum()
-            if needs_grad:
-                # d(sum CE)/dlogits = softmax - onehot(target) on target rows, 0 elsewhere.
-                grad = torch.exp(logits - lse.unsqueeze(1))
-                grad.scatter_add_(1, safe.unsqueeze(1), -torch.ones_like(lse).unsqueeze(1))
-                grad *= valid.unsqueeze(1)
-                grad = grad.to(hidden.dtype)  # what autograd would hand the bf16 projection
-                gemm_grad = grad.float() if upcast else grad
-                if grad_hidden is not None:
-                    grad_hidden[start:start + chunk_rows] = gemm_grad @ gemm_weight
-                if grad_weight is not None:
-                    # a 16-bit GEMM per chunk (fast), summed over chunks in fp32
-                    grad_weight += (gemm_grad.t() @ gemm_rows).to(hidden.dtype)
-        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return (grad_hidden * grad_output.to(grad_hidden.dtype) if grad_hidden is not None else None,
-                grad_weight * grad_output.to(grad_weight.dtype) if grad_weight is not None else None,
-                None, None, None, None)
-
-
-def linear_cross_entropy_sum(hidden, weight, targets, chunk_rows: int = CHUNK_ROWS, upcast: bool | None = None):
-    """token_loss_sum(hidden @ weight.T, targets)[0] without materialising the logits. upcast: GEMMs in fp32 (rounded
-    to the model's dtype); None = where bf16 would be emulated (emulated_bf16)."""
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    upcast = emulated_bf16(flat) if upcast is None else upcast
-    return _ChunkedLinearCrossEntropy.apply(flat, weight, targets.reshape(-1), chunk_rows, torch.is_grad_enabled(),
-                                            upcast)
-
-
-class _LossHead(torch.nn.Linear):
-    """The output projection; while `targets` is set, its forward returns the loss sum instead of the logits."""
-
-    targets = None
-
-    def forward(self, hidden):
-        if self.targets is None:
-            if emulated_bf16(hidden):  # eval and generation: the logits' GEMM in fp32, rounded as in bf16
-                return F.linear(hidden.float(), self.weight.float()).to(hidden.dtype)
-            return super().forward(hidden)
-        return linear_cross_entropy_sum(hidden, self.weight, self.targets)
-
-
-def install_fused_loss(model) -> None:
-    """Make the model's output layer able to compute the loss itself (see the module docstring)."""
-    head = model.get_output_embeddings()
-    if type(head) is not torch.nn.Linear or head.bias is not None:
-        raise ValueError(f"model.fused_loss needs a bias-free nn.Linear output layer, this model has "
-                         f"{type(head).__name__}: set model.fused_loss=false")
-    head.__class__ = _LossHead
-
-
-@contextlib.contextmanager
-def fused_loss(model, targets):
-    """Within the block, the model's forward returns `.logits` = token_loss_sum(logits, targets)[0] (a scalar)."""
-    head = model.get_output_embeddings()
-    head.targets = targets
-    try:
-        yield
-    finally:
-        head.targets = None
+def micro_batch_loss_sum(engine, mb, device, fused: bool):
+    """The micro-batch's summed token loss (fp32), through the model's fused loss head or from its logits."""
+    inputs = {"input_ids": mb["input_ids"].to(device), "position_ids": mb["position_ids"].to(device)}
+    targets = mb["targets"].to(device)
+    if not fused:
+        return token_loss_sum(engine(**inputs).logits, targets)[0]
+    with fused_loss(engine.module, targets):
+        return engine(**inputs).logits

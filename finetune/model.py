@@ -45,11 +45,12 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, ds_config: dict[st
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    from finetune import dist, kernels
-    from finetune.estimate import recomputed_layers
-    from finetune.fused_lora import install_fused_lora
-    from finetune.fused_mlp import install_fused_mlp
-    from finetune.loss import install_fused_loss
+    from finetune import dist
+    from finetune.perf import liger as kernels
+    from finetune.memory.estimate import recomputed_layers
+    from finetune.perf.fused_lora import install_fused_lora
+    from finetune.perf.fused_mlp import install_fused_mlp
+    from finetune.perf.fused_loss import install_fused_loss
 
     check_model_dir(model_cfg)
     liger = kernels.apply(model_cfg.kernels) == "liger"

@@ -32,7 +32,7 @@ class Run:
     model_config: dict[str, Any]
     resume_from: str | None = None
     plan: Any = None
-    """The memory plan (finetune.budget.MemoryPlan) when train.gpu_memory_gib or --deepspeed auto chose the settings."""
+    """The memory plan (finetune.memory.budget.MemoryPlan) when train.gpu_memory_gib or --deepspeed auto chose the settings."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -47,7 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def prepare(config: str | None, deepspeed_json: str, overrides: list[str]) -> Run:
     """Load and check everything a user can get wrong, before any rank starts work (raises ConfigError)."""
-    from finetune import budget, dist, kernels, lora_dropout
+    from finetune import dist
+    from finetune.memory import budget
+    from finetune.perf import liger as kernels, lora_dropout
     from finetune.loggers import check_backends
     from finetune.model import check_model_dir
 
@@ -120,14 +122,15 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
     from finetune.metrics import MetricsLog, peak_memory_gib, peak_reserved_gib, peak_tflops, training_flops
     from finetune.model import build_model, trainable_parameters
     from finetune.optim import build_optimizer, clip_grad_norm_exact
-    from finetune.overflow_check import install_overflow_check
-    from finetune.profiling import phase, step_profiler
+    from finetune.perf.overflow_check import install_overflow_check
+    from finetune.loss import micro_batch_loss_sum
+    from finetune.perf.profiling import phase, step_profiler
 
     r, t = run.recipe, run.recipe.train
     dist.init()
     dist.barrier()  # every rank has checked the output dir (prepare) before rank 0 writes into it
     if t.gpu_memory_gib:
-        from finetune.budget import enforce
+        from finetune.memory.budget import enforce
 
         if enforce(t.gpu_memory_gib):
             dist.print0(f"GPU memory capped at {t.gpu_memory_gib:g} GiB per GPU (train.gpu_memory_gib)")
@@ -278,18 +281,6 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
     _release(engine, keepalive)
     _remove_swap(run.ds)
     return records
-
-
-def micro_batch_loss_sum(engine, mb, device, fused: bool):
-    """The micro-batch's summed token loss (fp32), through the model's fused loss head or from its logits."""
-    from finetune.loss import fused_loss, token_loss_sum
-
-    inputs = {"input_ids": mb["input_ids"].to(device), "position_ids": mb["position_ids"].to(device)}
-    targets = mb["targets"].to(device)
-    if not fused:
-        return token_loss_sum(engine(**inputs).logits, targets)[0]
-    with fused_loss(engine.module, targets):
-        return engine(**inputs).logits
 
 
 def _target_count(micro_batches: list) -> int:

@@ -6,4 +6,4 @@ set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
-exec "${PYTHON:-python}" -m finetune.compare "$@"
+exec "${PYTHON:-python}" -m finetune.commands.compare "$@"

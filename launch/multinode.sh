@@ -12,4 +12,4 @@ hostfile="$1"
 shift
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
-exec "${PYTHON:-python}" -m finetune.launcher --hostfile "$hostfile" "$@"
+exec "${PYTHON:-python}" -m finetune.multinode.launcher --hostfile "$hostfile" "$@"

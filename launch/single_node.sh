@@ -14,4 +14,4 @@ trap 'rm -f "$hostfile"' EXIT
 echo "localhost slots=${NUM_GPUS}" > "$hostfile"
 export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
 # shellcheck disable=SC2086  # LAUNCH_ARGS is a list of options
-"${PYTHON:-python}" -m finetune.launcher --hostfile "$hostfile" ${LAUNCH_ARGS:-} -- "$@"
+"${PYTHON:-python}" -m finetune.multinode.launcher --hostfile "$hostfile" ${LAUNCH_ARGS:-} -- "$@"

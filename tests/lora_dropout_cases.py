@@ -1,4 +1,4 @@
-"""Triton's CPU interpreter runs finetune/lora_dropout.py's kernels in these cases (fp32). Not collected by the main
+"""Triton's CPU interpreter runs finetune/perf/lora_dropout.py's kernels in these cases (fp32). Not collected by the main
 test run: tests/test_lora_dropout.py runs this file in a process started with TRITON_INTERPRET=1, which Triton reads
 when it is first imported (its own random functions included)."""
 
@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from finetune import lora_dropout
-from finetune.fused_lora import LoraLinearFunction
+from finetune.perf import lora_dropout
+from finetune.perf.fused_lora import LoraLinearFunction
 from tests.test_fused_lora import (_check_against_autograd_over_mask, _loss_and_grads, _rel_err,
                                    _with_and_without_recomputation)
 

@@ -20,7 +20,7 @@ def one_case(case: dict) -> dict:
     import deepspeed
     from transformers import MistralConfig, MistralForCausalLM
 
-    from finetune.overflow_check import install_overflow_check
+    from finetune.perf.overflow_check import install_overflow_check
 
     torch.manual_seed(0)
     config = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

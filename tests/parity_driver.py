@@ -55,7 +55,7 @@ def swap_files(ds: dict, result: dict):
 
 
 def fused_mlps(result: dict):
-    """After training: how many decoder MLPs ran finetune/fused_mlp.py's forward."""
+    """After training: how many decoder MLPs ran finetune/perf/fused_mlp.py's forward."""
     def check(engine):
         result["fused_mlps"] = sum(hasattr(m, "_fused_mlp_liger") for m in engine.module.modules())
 

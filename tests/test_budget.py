@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from finetune import budget
+from finetune.memory import budget
 from finetune.config import ConfigError, load_recipe
 from finetune.ds_config import resolve_ds_config
-from finetune.estimate import FIT_FRACTION, GIB, SHIPPED, SPEED_ORDER, estimate_run
+from finetune.memory.estimate import FIT_FRACTION, GIB, SHIPPED, SPEED_ORDER, estimate_run
 from tests.helpers import ROOT, TINY_RECIPE
 
 MISTRAL = json.load(open(os.path.join(ROOT, "recipes", "mistral7b_shape", "config.json")))
@@ -238,8 +238,8 @@ def test_auto_plans_of_the_h200_benchmark(kind, zero):
     assert plan.estimated_gib == pytest.approx(measured, rel=0.07), plan.estimated_gib
 
 
-# The same with the fused LoRA projection (lora.fused, the default since; finetune/fused_lora.py), lora.dropout 0.05
-# and 0, with torch's dropout and with the default (auto: the Triton kernels of finetune/lora_dropout.py on a GPU):
+# The same with the fused LoRA projection (lora.fused, the default since; finetune/perf/fused_lora.py), lora.dropout 0.05
+# and 0, with torch's dropout and with the default (auto: the Triton kernels of finetune/perf/lora_dropout.py on a GPU):
 # (zero, dropout, kernel) -> (checkpointing, micro-batch, measured peak GiB); docs/benchmarks/vs_peer_2xh200.md.
 FUSED_LORA_H200 = {("zero2", 0.05, "torch"): ("none", 8, 102.4), ("zero2", 0.0, "torch"): ("none", 8, 82.7),
                    ("zero3", 0.05, "torch"): ("none", 8, 97.6), ("zero3", 0.0, "torch"): ("none", 8, 77.9),
@@ -280,7 +280,7 @@ def test_full_zero3_recomputes_the_fewest_layers_that_fit_the_h200():
         assert peak / GIB == pytest.approx(measured, rel=0.02), (k, peak / GIB)
 
 
-# Full fine-tune with the fused MLP (model.fused_mlp, the default since; finetune/fused_mlp.py) on 2xH200, liger on, 8
+# Full fine-tune with the fused MLP (model.fused_mlp, the default since; finetune/perf/fused_mlp.py) on 2xH200, liger on, 8
 # rows per GPU per step: zero -> (checkpointing, micro-batch, measured peak GiB); docs/benchmarks/vs_peer_2xh200.md.
 FUSED_MLP_H200 = {"zero2": ("none", 8, 115.6), "zero3": ("none", 8, 119.6)}
 

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from finetune import chat
+from finetune.commands import chat
 from finetune.data.template import Message
 from finetune.generate import answer, reply
 from tests.helpers import ROOT, TINY_RECIPE, loopback_env, run_ranks, save_tiny_model

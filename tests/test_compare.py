@@ -8,7 +8,7 @@ import subprocess
 import pytest
 from PIL import Image
 
-from finetune.compare import compare_losses, write_summary
+from finetune.commands.compare import compare_losses, write_summary
 from tests.helpers import ROOT, TINY_RECIPE, loopback_env
 
 STAGES = ["zero0", "zero1", "zero2", "zero3"]
@@ -89,7 +89,7 @@ def test_a_stage_beyond_tolerance_is_flagged(tmp_path):
 
 
 def test_refuses_a_used_folder_and_owned_overrides(tmp_path):
-    from finetune.compare import main
+    from finetune.commands.compare import main
 
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "x").write_text("")

@@ -14,7 +14,7 @@ import finetune.data as data_module
 from finetune.config import ConfigError, DataConfig, load_recipe
 from finetune.data import build_datasets
 from finetune.data.tokenizer import load_tokenizer
-from finetune.preprocess import main as preprocess
+from finetune.commands.preprocess import main as preprocess
 from tests.helpers import ROOT, TINY_RECIPE, run_ranks
 
 TINY = os.path.join(ROOT, "recipes", "data", "tiny_instruct.jsonl")  # 40 alpaca records

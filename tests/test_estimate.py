@@ -8,14 +8,14 @@ import os
 import pytest
 
 from finetune.config import LoraConfig
-from finetune.estimate import (GIB, count_parameters, estimate_activations, estimate_model_states, lora_parameters,
+from finetune.memory.estimate import (GIB, count_parameters, estimate_activations, estimate_model_states, lora_parameters,
                                precision_bytes)
-from finetune.estimate_cli import main
+from finetune.commands.estimate import main
 from tests.helpers import ROOT, TINY_CONFIG, ds_variant, run_ranks, save_tiny_model
 
 MISTRAL = json.load(open(os.path.join(ROOT, "recipes", "mistral7b_shape", "config.json")))
 TINY = json.load(open(TINY_CONFIG))
-# the default: all seven projections, fused (finetune/fused_lora.py); torch's dropout, as a run on a CPU draws it
+# the default: all seven projections, fused (finetune/perf/fused_lora.py); torch's dropout, as a run on a CPU draws it
 LORA = LoraConfig(rank=16, dropout_kernel="torch")
 UNFUSED = LoraConfig(rank=16, fused=False)  # peft's own forward
 COUNTS = {"mistral": (MISTRAL, 7_241_732_096, 41_943_040), "tiny": (TINY, 8_930_432, 149_504)}
@@ -123,11 +123,11 @@ def _saved_bytes(lora: LoraConfig | None, attn: str, packed: bool, fp32_adapters
         if not fp32_adapters:  # as ZeRO-0/1/2's bf16 engine casts every parameter; ZeRO-3 leaves peft's fp32 adapters
             model.to(torch.bfloat16)
         if lora.fused:
-            from finetune.fused_lora import install_fused_lora
+            from finetune.perf.fused_lora import install_fused_lora
 
             install_fused_lora(model, zero_stage=2)
     if fused_mlp:
-        from finetune.fused_mlp import install_fused_mlp
+        from finetune.perf.fused_mlp import install_fused_mlp
 
         install_fused_mlp(model, zero_stage=2, liger=False)
     model.train()
@@ -166,7 +166,7 @@ def test_activation_estimate_matches_saved_tensors(lora, attn, packed, fp32_adap
                                   LORA],
                          ids=["full", "lora-without-down_proj", "lora"])
 def test_fused_mlp_estimate_matches_saved_tensors(lora):
-    """finetune/fused_mlp.py keeps gate and up only; with LoRA on down_proj it is not installed and nothing changes."""
+    """finetune/perf/fused_mlp.py keeps gate and up only; with LoRA on down_proj it is not installed and nothing changes."""
     measured_bytes, est = _saved_bytes(lora, "sdpa", True, False, fused_mlp=True)
     assert est["saved"] == pytest.approx(measured_bytes, rel=1e-3), (measured_bytes, est)
     unfused_bytes, _ = _saved_bytes(lora, "sdpa", True, False)
@@ -219,7 +219,7 @@ MEASURED_H200 = {"lora": {"zero0": 35.78, "zero1": 19.71, "zero2": 19.41, "zero3
 def test_peak_estimate_matches_h200_measurements(kind):
     from finetune.config import load_recipe
     from finetune.ds_config import resolve_ds_config
-    from finetune.estimate import estimate_run
+    from finetune.memory.estimate import estimate_run
 
     recipe = load_recipe(os.path.join(ROOT, "recipes", f"mistral7b_{kind}.yaml"),
                          [f"model.path={os.path.join(ROOT, 'recipes', 'mistral7b_shape')}", "train.micro_batch_size=4",

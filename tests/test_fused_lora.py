@@ -1,4 +1,4 @@
-"""The fused LoRA projection (finetune/fused_lora.py) computes what peft computes: loss and every gradient inside a
+"""The fused LoRA projection (finetune/perf/fused_lora.py) computes what peft computes: loss and every gradient inside a
 Mistral (fp32 to 1e-5; bf16 within the error of peft's own bf16 path), one dropout mask used consistently by forward,
 backward and recomputation, and peft's forward wherever it does not apply.
 
@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from finetune.fused_lora import LoraLinearFunction, fused_class, install_fused_lora
+from finetune.perf.fused_lora import LoraLinearFunction, fused_class, install_fused_lora
 from tests.helpers import TINY_RECIPE, ds_variant, save_tiny_model, train_cases
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -1,4 +1,4 @@
-"""The fused MLP (finetune/fused_mlp.py) computes what transformers' Mistral MLP computes, bit for bit, while keeping
+"""The fused MLP (finetune/perf/fused_mlp.py) computes what transformers' Mistral MLP computes, bit for bit, while keeping
 two [tokens, intermediate] tensors per layer where transformers keeps four; it is installed only where down_proj is a
 plain linear layer; under ZeRO-3 on 2 ranks it trains as the unfused model does, with and without recomputation.
 
@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from finetune.fused_mlp import SwiGLUDownFunction, install_fused_mlp
+from finetune.perf.fused_mlp import SwiGLUDownFunction, install_fused_mlp
 from tests.helpers import TINY_RECIPE, ds_variant, save_tiny_model, train_cases
 
 HIDDEN, INTERMEDIATE, LAYERS = 64, 160, 2

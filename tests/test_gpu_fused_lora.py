@@ -1,4 +1,4 @@
-"""The fused LoRA projection (finetune/fused_lora.py) on CUDA: the CPU tests of tests/test_fused_lora.py again with
+"""The fused LoRA projection (finetune/perf/fused_lora.py) on CUDA: the CPU tests of tests/test_fused_lora.py again with
 cuBLAS's addmm and CUDA's dropout kernels. CI (CPU) skips it; the GPU benchmark call runs it with
 tests/test_gpu_kernels.py (benchmarks/gpu_vs_peer.sh)."""
 
@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from finetune.fused_lora import install_fused_lora
+from finetune.perf.fused_lora import install_fused_lora
 from tests.test_fused_lora import (_loss_and_grads, _peft_mistral, _rel_err,
                                    _with_and_without_recomputation)
 

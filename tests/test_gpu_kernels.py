@@ -6,7 +6,7 @@ GPU benchmark call runs it (benchmarks/gpu_vs_peer.sh) and docs/benchmarks/vs_pe
 import pytest
 import torch
 
-from finetune import kernels
+from finetune.perf import liger as kernels
 from tests.helpers import save_tiny_model
 
 pytestmark = pytest.mark.skipif(kernels.available() is not None, reason=str(kernels.available()))
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(kernels.available() is not None, reason=str(kern
 def _curve(model_dir: str, dtype, steps: int = 6) -> list[float]:
     from transformers import AutoModelForCausalLM
 
-    from finetune.loss import install_fused_loss, fused_loss
+    from finetune.perf.fused_loss import install_fused_loss, fused_loss
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda()
     install_fused_loss(model)
@@ -66,14 +66,14 @@ def _mlp_grads(model, ids):
 
 @pytest.mark.parametrize("liger", [True, False], ids=["liger", "torch"])
 def test_fused_mlp_gradients_on_cuda(tmp_path, liger):
-    """finetune/fused_mlp.py on the GPU, over liger's SwiGLU kernels (the default there) and torch's ops: the loss is
+    """finetune/perf/fused_mlp.py on the GPU, over liger's SwiGLU kernels (the default there) and torch's ops: the loss is
     the unfused model's to the bit (the same kernels in forward), every gradient within cuBLAS's own variation (fp32)
     or bf16's (the down projection's weight gradient is one GEMM over the rebuilt product)."""
     import copy
 
     from transformers import AutoModelForCausalLM
 
-    from finetune.fused_mlp import install_fused_mlp
+    from finetune.perf.fused_mlp import install_fused_mlp
 
     model_dir = save_tiny_model(str(tmp_path / "m"))
     if liger:

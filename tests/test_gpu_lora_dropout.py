@@ -1,4 +1,4 @@
-"""LoRA dropout drawn from a seed in Triton kernels (finetune/lora_dropout.py) on CUDA: the interpreter's checks of
+"""LoRA dropout drawn from a seed in Triton kernels (finetune/perf/lora_dropout.py) on CUDA: the interpreter's checks of
 tests/lora_dropout_cases.py compiled for the GPU, at Mistral-7B's widths and in bf16, and the memory one adapted
 projection keeps against torch's dropout (times: benchmarks/lora_dropout_kernels.py). CI (CPU) skips it;
 benchmarks/gpu_vs_peer.sh runs it with the other GPU parity tests."""
@@ -6,8 +6,8 @@ benchmarks/gpu_vs_peer.sh runs it with the other GPU parity tests."""
 import pytest
 import torch
 
-from finetune import lora_dropout
-from finetune.fused_lora import LoraLinearFunction
+from finetune.perf import lora_dropout
+from finetune.perf.fused_lora import LoraLinearFunction
 from tests.test_fused_lora import _check_against_autograd_over_mask, _rel_err, _with_and_without_recomputation
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -70,7 +70,7 @@ def _ds(tmp, mutate) -> str:
 
 
 def _hostfile(tmp, text: str):
-    from finetune.hostfile import load_hostfile
+    from finetune.multinode.hostfile import load_hostfile
 
     load_hostfile(_write(tmp / "hosts", text))
 
@@ -152,7 +152,7 @@ FAULTS = [
           lambda tmp, run: _prepare(run, "train.resume=auto", "lora.enabled=true", "lora.target_modules=[q_proj,lm_head]"),
           fix="as the message says"),
     Fault("missing-hostfile", "a hostfile that does not exist", r"not found",
-          lambda tmp, run: __import__("finetune.hostfile", fromlist=["x"]).load_hostfile(str(tmp / "nope"))),
+          lambda tmp, run: __import__("finetune.multinode.hostfile", fromlist=["x"]).load_hostfile(str(tmp / "nope"))),
     Fault("malformed-hostfile", "a malformed hostfile line", r"hosts:2: expected `HOST slots=N`",
           lambda tmp, run: _hostfile(tmp, "node1 slots=2\nnode2 slot=2\n")),
     Fault("duplicate-host", "a host listed twice in the hostfile", r"hosts:2: node1 is listed twice",

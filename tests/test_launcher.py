@@ -1,4 +1,4 @@
-"""The hostfile launcher (finetune/launcher.py, hostfile.py, preflight.py).
+"""The hostfile launcher (finetune/multinode/launcher.py, hostfile.py, preflight.py).
 
 Unit, seconds: hostfile errors, filters, Slurm node lists, golden dry runs for 1, 2 and 4 hosts (pdsh, OpenMPI,
 Slurm), .deepspeed_env merging, failure parsing, and a preflight that names unreachable hosts within 10 s.
@@ -23,10 +23,10 @@ import time
 import psutil
 import pytest
 
-from finetune import launcher
-from finetune.hostfile import HostfileError, expand_nodelist, filter_hosts, load_hostfile, parse_hostfile, slurm_hosts
-from finetune.jobwatch import JobWatch
-from finetune.launcher import LaunchError, merge_env_file
+from finetune.multinode import launcher
+from finetune.multinode.hostfile import HostfileError, expand_nodelist, filter_hosts, load_hostfile, parse_hostfile, slurm_hosts
+from finetune.multinode.jobwatch import JobWatch
+from finetune.multinode.launcher import LaunchError, merge_env_file
 from tests.sshd_fixture import IsolatedNetwork, LoopbackCluster, free_port, missing_binaries, write_ssh_wrapper
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -214,7 +214,7 @@ def test_preflight_names_unreachable_hosts_within_10s(tmp_path):
         os.makedirs(tmp_path / "cwd")
         start = time.monotonic()
         done = subprocess.run(
-            [sys.executable, "-m", "finetune.launcher", "--hostfile", str(tmp_path / "hosts"), "--", *TRAIN_ARGS,
+            [sys.executable, "-m", "finetune.multinode.launcher", "--hostfile", str(tmp_path / "hosts"), "--", *TRAIN_ARGS,
              f"train.output_dir={tmp_path}/out"],
             env=env, cwd=tmp_path / "cwd", capture_output=True, text=True, timeout=60,
         )
@@ -244,7 +244,7 @@ def test_preflight_refuses_a_busy_master_port(tmp_path, monkeypatch, capsys):
 
 
 def test_preflight_flags_hosts_that_differ(monkeypatch):
-    from finetune import preflight
+    from finetune.multinode import preflight
 
     cells = {"python": "3.11.7", "torch": "2.13.0", "deepspeed": "0.19.8", "zerotune": "0.1.0", "commit": "abc",
              "source": "1234", "accelerators": "8 (slots 8)"}
@@ -304,11 +304,11 @@ def tiny_args(out: str, steps: int) -> list[str]:
 
 
 def launch(prefix: list[str], cwd, env, options: list[str], train_args: list[str]) -> subprocess.Popen:
-    """`python -m finetune.launcher` from `cwd` (not the repo: .deepspeed_env lands there), inside `prefix`'s netns."""
+    """`python -m finetune.multinode.launcher` from `cwd` (not the repo: .deepspeed_env lands there), inside `prefix`'s netns."""
     os.makedirs(cwd, exist_ok=True)
     env = dict(env, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".cache", "torch_extensions"))  # the shm op, built once
-    cmd = [*prefix, sys.executable, "-m", "finetune.launcher", *options, "--", *train_args]
+    cmd = [*prefix, sys.executable, "-m", "finetune.multinode.launcher", *options, "--", *train_args]
     return subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 

@@ -1,4 +1,4 @@
-"""LoRA dropout drawn from a seed in Triton kernels (finetune/lora_dropout.py, lora.dropout_kernel). Triton's CPU
+"""LoRA dropout drawn from a seed in Triton kernels (finetune/perf/lora_dropout.py, lora.dropout_kernel). Triton's CPU
 interpreter runs the kernels (fp32) in tests/lora_dropout_cases.py: each kernel equals torch on the mask it draws, the
 fused LoRA function with them equals autograd over that mask, recomputation redraws the same masks, and it keeps a seed
 where torch's path keeps a bool per element. Here: those cases, the estimator's term, what `auto` resolves to and the
@@ -14,9 +14,9 @@ import sys
 import pytest
 import torch
 
-from finetune import lora_dropout
+from finetune.perf import lora_dropout
 from finetune.config import ConfigError, LoraConfig, load_recipe
-from finetune.estimate import estimate_activations
+from finetune.memory.estimate import estimate_activations
 from tests.helpers import ROOT, TINY_RECIPE
 
 pytest.importorskip("triton")

@@ -9,7 +9,8 @@ tests/test_parity.py; fused on vs off under ZeRO-3 on 2 ranks is test_fused_loss
 import pytest
 import torch
 
-from finetune.loss import fused_loss, install_fused_loss, linear_cross_entropy_sum, token_loss_sum
+from finetune.loss import token_loss_sum
+from finetune.perf.fused_loss import fused_loss, install_fused_loss, linear_cross_entropy_sum
 from tests.helpers import TINY_RECIPE, ds_variant, save_tiny_model, train_cases
 
 
@@ -79,7 +80,7 @@ def test_bf16_gemms_in_fp32_equal_the_bf16_gemms(chunk_rows):
 
 def test_upcast_is_chosen_where_bf16_would_be_emulated():
     from finetune.ds_config import native_cpu_bf16
-    from finetune.loss import emulated_bf16
+    from finetune.perf.fused_loss import emulated_bf16
 
     assert emulated_bf16(torch.zeros(2, dtype=torch.bfloat16)) is not native_cpu_bf16()
     assert not emulated_bf16(torch.zeros(2))  # fp32 is never emulated
@@ -125,7 +126,7 @@ def test_lora_on_lm_head_is_refused():
 
 
 def test_estimator_logits_term_is_one_chunk():
-    from finetune.estimate import estimate_activations
+    from finetune.memory.estimate import estimate_activations
     from tests.test_estimate import MISTRAL
 
     plain = estimate_activations(MISTRAL, None, 2048, 4, "full")

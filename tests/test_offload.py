@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from finetune.budget import plan_memory
+from finetune.memory.budget import plan_memory
 from finetune.config import load_recipe
 from tests.helpers import ROOT, TINY_CONFIG, TINY_RECIPE, ds_variant, run_ranks, save_tiny_model
 from tests.test_parity import STEPS, overrides

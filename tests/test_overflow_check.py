@@ -1,4 +1,4 @@
-"""optim.overflow_check (finetune/overflow_check.py): bf16 ZeRO-1/2 steps with a NaN gradient are skipped exactly as
+"""optim.overflow_check (finetune/perf/overflow_check.py): bf16 ZeRO-1/2 steps with a NaN gradient are skipped exactly as
 under DeepSpeed's own two tests, clean steps are the same, and DeepSpeed's per-tensor test is not run."""
 
 import json

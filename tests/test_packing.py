@@ -14,7 +14,7 @@ from finetune.data import build_datasets
 from finetune.data.loader import IGNORE, StepLoader, TokenizedData, collate, epoch_rows
 from finetune.data.packing import balance, pack_ffd
 from finetune.data.tokenizer import load_tokenizer
-from finetune.preprocess import main as preprocess
+from finetune.commands.preprocess import main as preprocess
 from finetune.loss import token_loss_sum
 from tests.helpers import ROOT, TINY_CONFIG, TINY_RECIPE
 

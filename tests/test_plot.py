@@ -6,7 +6,7 @@ import struct
 import pytest
 
 from finetune.cli import main as zerotune
-from finetune.curves import build_figure
+from finetune.commands.plot import build_figure
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -1,4 +1,4 @@
-"""train.profile_step: one step's time by kind of kernel (finetune/profiling.py), through a real training run on CPU,
+"""train.profile_step: one step's time by kind of kernel (finetune/perf/profiling.py), through a real training run on CPU,
 and the categories kernel names fall into (those of the H200 profiles in docs/benchmarks/vs_peer/)."""
 
 import json
@@ -38,7 +38,7 @@ def test_profile_step_writes_time_by_kernel_kind(tmp_path):
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata>", "optimizer"),
     ("Command Buffer Full", "other")])
 def test_profile_categories(name, kind):
-    from finetune.profiling import category
+    from finetune.perf.profiling import category
 
     assert category(name) == kind
 
@@ -50,7 +50,7 @@ def test_profile_categories(name, kind):
     ("zerotune:backward", False)])
 def test_annotations_mirroring_kernels_are_not_counted(name, counted):
     """The H200 profile of full ZeRO-3 listed `nccl:_all_gather_base` beside its kernel, with the same 0.395 s."""
-    from finetune.profiling import is_kernel
+    from finetune.perf.profiling import is_kernel
 
     assert is_kernel(name) is counted
 
@@ -58,7 +58,7 @@ def test_annotations_mirroring_kernels_are_not_counted(name, counted):
 def test_timeline_splits_the_span_into_compute_exposed_communication_and_idle():
     """Two compute kernels (0-4, 3-6), a collective overlapping the second and running on alone (5-8), a gap (8-9),
     then compute (9-10): compute 7 s, communication alone 2 s, idle 1 s, span 10 s."""
-    from finetune.profiling import timeline
+    from finetune.perf.profiling import timeline
 
     t = timeline([(0, 4, False), (3, 6, False), (5, 8, True), (9, 10, False)])
     assert t == {"span": 10, "compute": 7, "exposed_comm": 2, "idle": 1}
@@ -68,7 +68,7 @@ def test_timeline_splits_the_span_into_compute_exposed_communication_and_idle():
 def test_idle_time_is_split_by_the_host_phase_it_fell_in():
     """Kernels 0-2, 3-5, 5.5-6, 9-10: gaps 2-3, 5-5.5 and 6-9. The host was in `backward` over 1.5-3.2 and in
     `optimizer step` over 5.8-8; the gaps' other 1.5 s (5-5.5, 8-9) fell outside both."""
-    from finetune.profiling import idle_by_phase
+    from finetune.perf.profiling import idle_by_phase
 
     split = idle_by_phase([(0, 2), (3, 5), (5.5, 6), (9, 10), (1, 1.5)],
                           [("backward", 1.5, 3.2), ("optimizer step", 5.8, 8.0)])

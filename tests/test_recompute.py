@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from finetune.config import ConfigError, load_recipe
-from finetune.estimate import estimate_activations, recomputed_layers
+from finetune.memory.estimate import estimate_activations, recomputed_layers
 from finetune.model import build_model
 from tests.helpers import TINY_RECIPE, save_tiny_model
 from tests.test_budget import MISTRAL

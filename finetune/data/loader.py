@@ -11,42 +11,13 @@ and a resumed run continues exactly where it stopped (the data position is the s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from finetune.data.packing import balance, pack_ffd
+from finetune.data.samples import TokenizedData
 
 IGNORE = -100
-
-
-@dataclass
-class TokenizedData:
-    """Samples stored flat: sample i is input_ids[offsets[i]:offsets[i+1]] (labels alike, unshifted)."""
-
-    input_ids: np.ndarray
-    labels: np.ndarray
-    offsets: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
-
-    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        a, b = self.offsets[i], self.offsets[i + 1]
-        return self.input_ids[a:b], self.labels[a:b]
-
-    @classmethod
-    def from_samples(cls, samples: list[tuple[list[int], list[int]]]) -> "TokenizedData":
-        lengths = [len(ids) for ids, _ in samples]
-        offsets = np.zeros(len(samples) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        flat = lambda k: np.fromiter((t for s in samples for t in s[k]), dtype=np.int32, count=int(offsets[-1]))
-        return cls(flat(0), flat(1), offsets)
 
 
 def epoch_rows(data: TokenizedData, capacity: int, packing: bool, shuffle: bool, seed: int, epoch: int) -> list[list[int]]:

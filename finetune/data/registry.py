@@ -56,8 +56,6 @@ def register(name: str, schema: str = "") -> Callable[[FormatFn], FormatFn]:
 
 def known_formats() -> list[str]:
     """Sorted names of all registered formats, built-ins included."""
-    import finetune.data.formats  # noqa: F401  (registers the built-ins; lazy to avoid an import cycle)
-
     return sorted(_FORMATS)
 
 

@@ -1,7 +1,7 @@
 """Run a launch command and watch it: echo its output, and when one rank is lost, name its rank and host, give the
 others a grace period, then stop this job's processes on every host.
 
-    code = run_job(plan, grace=20.0)   # plan: finetune.launcher.LaunchPlan
+    code = run_job(plan, grace=20.0)   # plan: finetune.multinode.plan.LaunchPlan
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
-if TYPE_CHECKING:
-    from finetune.launcher import LaunchPlan
+from finetune.multinode.plan import LaunchPlan
 
 STOP_WAIT_S = 10.0
 

@@ -7,7 +7,7 @@ copy of x per adapter (which lora_A then keeps for backward), a scaling kernel a
 backward the same again plus an add of the two input gradients. Here the adapter's rank-r product is accumulated into
 the base GEMM's output by addmm (the scaling is its alpha), and in backward into the input gradient the same way. Kept
 for backward: x once (q, k and v share it), the bool dropout mask, and the r-wide x·Aᵀ; drop(x) is rebuilt from x and
-the mask when A's gradient needs it. With lora.dropout_kernel's Triton kernels (finetune/lora_dropout.py, on CUDA) the
+the mask when A's gradient needs it. With lora.dropout_kernel's Triton kernels (finetune/perf/lora_dropout.py, on CUDA) the
 mask is not kept either: each kernel that needs it draws it again from a seed, and reads x instead of a dropped copy
 (the default on CUDA). Mistral-7B LoRA on H200s: docs/benchmarks/vs_peer_2xh200.md.
 
@@ -24,7 +24,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from finetune import lora_dropout
+from finetune.perf import lora_dropout
 
 
 class LoraLinearFunction(torch.autograd.Function):
@@ -36,7 +36,7 @@ class LoraLinearFunction(torch.autograd.Function):
         y = F.linear(x2, weight, bias)
         mask = seed = None
         seeded = seeded and dropout > 0 and x2.is_contiguous() and x2.numel() <= lora_dropout.MAX_ELEMENTS
-        if seeded:  # the mask is drawn from the seed in each kernel that needs it (finetune/lora_dropout.py)
+        if seeded:  # the mask is drawn from the seed in each kernel that needs it (finetune/perf/lora_dropout.py)
             seed = lora_dropout.new_seed(x.device)
             low_rank = lora_dropout.dropped_low_rank(x2, lora_a, seed, dropout)
         elif dropout > 0:
@@ -127,7 +127,7 @@ def fused_class():
 def install_fused_lora(model: torch.nn.Module, zero_stage: int, dropout_kernel: str = "auto") -> int:
     """Swap every peft lora.Linear in model for FusedLoraLinear; returns how many. Under ZeRO-3, call it before
     deepspeed.initialize, which registers the parameter hooks. dropout_kernel (lora.dropout_kernel): `triton` draws
-    the dropout masks from a seed in finetune/lora_dropout.py's kernels, `torch` keeps native_dropout's bool mask per
+    the dropout masks from a seed in finetune/perf/lora_dropout.py's kernels, `torch` keeps native_dropout's bool mask per
     adapter, `auto` is triton where lora_dropout.uses_kernels says (NVIDIA, compute capability 8.0+, Triton 3.0+)."""
     from peft.tuners.lora.layer import Linear
 

@@ -73,7 +73,7 @@ def _lora(lora_cfg: Any) -> dict[str, Any] | None:
         raise ValueError(f"lora.target_modules {targets!r}: the estimator knows {', '.join(LORA_TARGETS)}")
     import torch
 
-    from finetune.lora_dropout import uses_kernels
+    from finetune.perf.lora_dropout import uses_kernels
 
     # lora.dropout_kernel resolved as a run on this machine's GPU resolves it, or, without one, on a recent NVIDIA GPU:
     # these are estimates of GPU memory
@@ -142,12 +142,12 @@ def _layer_bytes(cfg: dict[str, Any], lora: dict[str, Any] | None, seq_len: int,
 
     liger (model.kernels): liger-kernel's RMSNorm saves its 16-bit input and rstd (transformers' keeps an fp32 copy
     and the normalised x), its SwiGLU saves gate and up (transformers' also silu(gate)); from liger's autograd code.
-    fused_mlp (finetune/fused_mlp.py): the MLP keeps gate and up only, where down_proj is not LoRA-adapted.
+    fused_mlp (finetune/perf/fused_mlp.py): the MLP keeps gate and up only, where down_proj is not LoRA-adapted.
     """
     h, i, q, kv, _, _ = _dims(cfg)
     heads = cfg["num_attention_heads"]
     shapes = linear_shapes(cfg)
-    fused = lora is not None and lora["fused"] and ad == d  # finetune/fused_lora.py; mixed dtypes run peft's forward
+    fused = lora is not None and lora["fused"] and ad == d  # finetune/perf/fused_lora.py; mixed dtypes run peft's forward
     masked = attn != "sdpa" or packing  # with a mask, transformers repeats k/v to every head before attention
     kv_saved = q if masked else kv
     if attn == "sdpa":
@@ -177,7 +177,7 @@ def _layer_bytes(cfg: dict[str, Any], lora: dict[str, Any] | None, seq_len: int,
         adapters += ad * lora["rank"]  # lora_A's output, saved by lora_B
         if fused or (lora["dropout"] == 0 and ad == d):
             # x itself is kept, once per distinct input (attention keeps o_proj's); the fused function adds a bool
-            # mask per adapter (native_dropout's), or only a seed with the Triton dropout (finetune/lora_dropout.py)
+            # mask per adapter (native_dropout's), or only a seed with the Triton dropout (finetune/perf/lora_dropout.py)
             adapters += width if lora["dropout"] > 0 and not (fused and lora["seeded_dropout"]) else 0
             if shared[t] not in inputs_saved and shared[t] != "attn_out":
                 inputs_saved.add(shared[t])
@@ -222,9 +222,9 @@ def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: in
     in bf16).
     dropout_mask_bytes: CUDA's dropout keeps a bool mask; the CPU kernel keeps one in the input's dtype.
     adapter_dtype_bytes: the LoRA adapters' width when it differs from the activations' (fp32 under ZeRO-0's autocast).
-    fused_loss (finetune/loss.py): one chunk of rows' logits at a time; the gradients of the head's input (and of its
+    fused_loss (finetune/perf/fused_loss.py): one chunk of rows' logits at a time; the gradients of the head's input (and of its
     weight, when trained: an fp32 sum while it is built) are computed in forward and held until backward.
-    fused_mlp (finetune/fused_mlp.py): each MLP keeps gate and up, not their product, which backward rebuilds one
+    fused_mlp (finetune/perf/fused_mlp.py): each MLP keeps gate and up, not their product, which backward rebuilds one
     layer at a time. It applies where down_proj is a plain linear layer, not LoRA-adapted.
     """
     lora = _lora(lora_cfg)
@@ -248,7 +248,7 @@ def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: in
     final_norm = 4 * h + 4 + (2 * d * h if lm_head_trained and not fused_loss else 0)
     ids = 8 if lora is None else 0  # the embedding's backward needs the token ids
     if fused_loss:
-        from finetune.loss import CHUNK_ROWS
+        from finetune.perf.fused_loss import CHUNK_ROWS
 
         head = vocab * h if lm_head_trained else 0
         loss_saved = tokens * d * h + d * head  # the head's input and weight gradients
@@ -331,7 +331,7 @@ def estimate_run(model_config: dict[str, Any], recipe, ds: dict[str, Any], world
 
 def uses_liger(kernels: str) -> bool:
     """Whether a run with this model.kernels uses liger's modules: `auto` only where they can run (CUDA + installed)."""
-    from finetune import kernels as fused_kernels
+    from finetune.perf import liger as fused_kernels
 
     return kernels == "liger" or (kernels == "auto" and fused_kernels.available() is None)
 

@@ -3,7 +3,7 @@ command, and end the whole job, naming the rank and host, when one rank is lost.
 
     zerotune launch --hostfile hostfiles/my_nodes -- --deepspeed ds_configs/zero3.json --config recipes/x.yaml
 
-`python -m finetune.launcher ...` does the same. Hostfiles and filters: finetune/hostfile.py; checks: preflight.py.
+`python -m finetune.multinode.launcher ...` does the same. Hostfiles and filters: finetune/multinode/hostfile.py; checks: preflight.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import socket
 import sys
 from dataclasses import dataclass
 
-from finetune.hostfile import (
+from finetune.multinode.hostfile import (
     HostfileError,
     address_of,
     filter_hosts,
@@ -27,8 +27,9 @@ from finetune.hostfile import (
     slurm_hosts,
 )
 from finetune.dist import free_port
-from finetune.jobwatch import run_job, span
-from finetune.preflight import Transport, run_preflight
+from finetune.multinode.jobwatch import run_job, span
+from finetune.multinode.plan import LaunchPlan
+from finetune.multinode.preflight import Transport, run_preflight
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_SCRIPT = os.path.join(REPO, "finetune", "main.py")
@@ -45,45 +46,6 @@ PDSH_SSH_ARGS = "-o BatchMode=yes -o ServerAliveInterval=10 -o ServerAliveCountM
 
 class LaunchError(RuntimeError):
     """A launch the user must fix before anything starts; the message says what to do."""
-
-
-@dataclass
-class LaunchPlan:
-    """Everything `main` prints in a dry run and then runs."""
-
-    launcher: str
-    hosts: dict[str, list[int]]
-    hostfile: str
-    hostfile_text: str | None
-    """Text written to `hostfile` before the launch (Slurm, or a filtered one for OpenMPI); None: the user's file."""
-    master_addr: str
-    master_port: int
-    local: bool
-    """One host that is this machine: DeepSpeed starts its ranks without ssh."""
-    command: list[str]
-    command_env: dict[str, str]
-    """Variables for the command itself, printed as its prefix."""
-    env_file_text: str
-    train_args: list[str]
-
-    def ranks(self) -> dict[str, list[int]]:
-        """Global ranks per host, in hostfile order (the order DeepSpeed and mpirun give them)."""
-        out, start = {}, 0
-        for host, slots in self.hosts.items():
-            out[host] = list(range(start, start + len(slots)))
-            start += len(slots)
-        return out
-
-    def transport(self) -> Transport:
-        """How the preflight reaches the hosts: not at all for this machine, srun under Slurm, else ssh."""
-        return Transport("local" if self.local else "srun" if self.launcher == "slurm" else "ssh")
-
-    def exports(self) -> dict[str, str]:
-        """The .deepspeed_env variables; also set for the command, as the one-host and Slurm paths skip the file."""
-        return dict(line.split("=", 1) for line in self.env_file_text.splitlines())
-
-    def shell_command(self) -> str:
-        return " ".join([f"{k}={shlex.quote(v)}" for k, v in self.command_env.items()] + [shlex.join(self.command)])
 
 
 def main(argv: list[str] | None = None) -> int:

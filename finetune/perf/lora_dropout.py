@@ -5,12 +5,12 @@
     grad_a = dropped_backward(grad_low, a, seed, p, grad_x=grad_x, x=x)
                                               # grad_x += drop'(grad_low·A); grad_a = grad_lowᵀ·drop(x)  [r, in]
 
-The fused LoRA function (finetune/fused_lora.py) with torch's dropout writes a bool mask per adapter in forward (kept
+The fused LoRA function (finetune/perf/fused_lora.py) with torch's dropout writes a bool mask per adapter in forward (kept
 for backward: 20 GiB for Mistral-7B at 8 rows of 2,048 tokens, all seven projections), a dropped copy of x for the
 rank-r GEMM, then in backward rebuilds that copy and masks the adapter's input gradient in separate passes. These
 kernels read x once per product, in forward and once in backward for both of its products, and draw the keep/drop
 decision of element (row, col) from Philox the same way in each (eight elements per draw:
-finetune/_lora_dropout_triton.py), so nothing but the seed is kept. The seed comes from torch's generator on x's
+finetune/perf/_lora_dropout_triton.py), so nothing but the seed is kept. The seed comes from torch's generator on x's
 device, so activation checkpointing, which restores that generator before recomputing, redraws the same masks.
 
 An element is dropped with probability p rounded to a multiple of 2⁻¹⁶ (drawn_p: 0.05 -> 0.0500031) and a kept one
@@ -107,7 +107,7 @@ def _kernels():
     """The Triton module, imported on first use: only runs that use the kernels import triton."""
     import triton
 
-    from finetune import _lora_dropout_triton as k
+    from finetune.perf import _lora_dropout_triton as k
 
     return triton, k.low_rank_kernel, k.backward_kernel, k.mask_kernel
 

@@ -1,5 +1,5 @@
 """`zerotune estimate`: the per-GPU memory table of every shipped DeepSpeed configuration for a recipe, and the
-fastest that fits (the arithmetic is finetune/estimate.py).
+fastest that fits (the arithmetic is finetune/memory/estimate.py).
 
     zerotune estimate --config recipes/mistral7b_lora.yaml --deepspeed ds_configs/zero3.json --gpus 2 --gpu-memory-gib 141
 """
@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any
 
-from finetune.estimate import FIT_FRACTION, GIB, SHIPPED, SPEED_ORDER, display_path, estimate_run, shipped_dir
+from finetune.memory.estimate import FIT_FRACTION, GIB, SHIPPED, SPEED_ORDER, display_path, estimate_run, shipped_dir
 
 
 def config_files(deepspeed: str) -> list[str]:

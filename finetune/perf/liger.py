@@ -6,7 +6,7 @@
 Each replaces several elementwise kernels (and their recomputation under activation checkpointing) by one. The HF
 Trainer peer measured liger's kernels at 10.0K tok/s/GPU against 8.2K without (Mistral-7B full fine-tune, ZeRO-2,
 2xH200, shared/FACTS.md). Triton needs CUDA, so on CPU `auto` means none; their loss parity is checked on a GPU by
-tests/test_gpu_kernels.py. The loss itself is fused by zerotune (finetune/loss.py), which also runs on CPU.
+tests/test_gpu_kernels.py. The loss itself is fused by zerotune (finetune/perf/fused_loss.py), which also runs on CPU.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def apply(kernels: str) -> str | None:
         return None
     from liger_kernel.transformers import apply_liger_kernel_to_mistral
 
-    # zerotune computes the loss itself (finetune/loss.py): leave the model's forward and loss alone.
+    # zerotune computes the loss itself (finetune/perf/fused_loss.py): leave the model's forward and loss alone.
     apply_liger_kernel_to_mistral(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                   fused_linear_cross_entropy=False)
     return "liger"

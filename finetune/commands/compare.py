@@ -17,7 +17,7 @@ import subprocess
 import sys
 from typing import Any
 
-from finetune.budget import describe_checkpointing
+from finetune.memory.budget import describe_checkpointing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OWNED = ("train.output_dir", "train.max_steps")  # compare sets these; --out and --steps say them once for every stage
@@ -142,9 +142,9 @@ def what_ran(run_dir: str) -> dict[str, Any]:
 
 
 def estimated_gib(run_dir: str, world: int) -> float | None:
-    """finetune.estimate's per-GPU total for the run's own resolved recipe.yaml and ds_config.json."""
+    """finetune.memory.estimate's per-GPU total for the run's own resolved recipe.yaml and ds_config.json."""
     from finetune.config import load_recipe
-    from finetune.estimate import GIB, estimate_run
+    from finetune.memory.estimate import GIB, estimate_run
     from finetune.model import check_model_dir
 
     recipe = load_recipe(os.path.join(run_dir, "recipe.yaml"))
@@ -215,8 +215,8 @@ def _default_gpus() -> int:
 def main(argv: list[str] | None = None) -> int:
     from finetune import dist
     from finetune.config import ConfigError
-    from finetune.curves import plot_runs
-    from finetune.plots import plot_throughput_memory
+    from finetune.commands.plot import plot_runs
+    from finetune.commands.plot import plot_throughput_memory
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     owned = [o for o in args.overrides if o.partition("=")[0] in OWNED]
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if not _has_cuda():
         notes.append("On CPU, peak memory is each process's peak resident memory (Python, torch, data included), "
                      "so it is not comparable with the estimate, which counts accelerator memory only; MFU needs a known GPU.")
-    notes.append("Estimated: finetune/estimate.py for each run's resolved recipe.yaml and ds_config.json "
+    notes.append("Estimated: finetune/memory/estimate.py for each run's resolved recipe.yaml and ds_config.json "
                  "(weights, gradients, optimizer states, activations, DeepSpeed buffers), to compare with peak allocated.")
     finished = [r["run_dir"] for r in runs if not r.get("error")]
     plots = {}

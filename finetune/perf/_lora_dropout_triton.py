@@ -1,4 +1,4 @@
-"""The Triton kernels of finetune/lora_dropout.py, at module level: Triton resolves the helpers a kernel calls by
+"""The Triton kernels of finetune/perf/lora_dropout.py, at module level: Triton resolves the helpers a kernel calls by
 global name. Every kernel draws the keep/drop decision of element (row, col) of a [rows, n_cols] input the same way
 (keep_tile): one Philox call at counter row·⌈n_cols/8⌉ + col/8 gives four 32-bit words, that is eight 16-bit
 uniforms, one for each of the eight columns of that group, and an element is kept when its uniform >= threshold

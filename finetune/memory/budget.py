@@ -29,7 +29,7 @@ from typing import Any
 
 from finetune.config import ConfigError, Recipe
 from finetune.ds_config import load_ds_json, offloads_optimizer, resolve_ds_config, zero_stage
-from finetune.estimate import (FIT_FRACTION, GIB, SHIPPED, SPEED_ORDER, display_path, estimate_run, recomputed_layers,
+from finetune.memory.estimate import (FIT_FRACTION, GIB, SHIPPED, SPEED_ORDER, display_path, estimate_run, recomputed_layers,
                                shipped_dir)
 
 

@@ -9,10 +9,10 @@ liger's SwiGLU (transformers' own MLP keeps silu(gate) too), 86 KB per token per
 layer keeps. Here the product is rebuilt from gate and up in backward, one elementwise pass (by the same kernel as in
 forward, so the same bits), and never kept: 28 KB less per token per layer, 14 GiB at 8 rows of 2,048 tokens over 32
 layers. That is what lets a full Mistral-7B fine-tune on an H200 keep
-every layer's activations at 8 rows, where it recomputed layers before (finetune/budget.py).
+every layer's activations at 8 rows, where it recomputed layers before (finetune/memory/budget.py).
 
 Only an MLP whose down projection is a plain nn.Linear without bias is fused (a LoRA-adapted down_proj keeps peft's or
-finetune/fused_lora.py's path); parameter names and checkpoints are unchanged. Under ZeRO-3 down_proj's weight is an
+finetune/perf/fused_lora.py's path); parameter names and checkpoints are unchanged. Under ZeRO-3 down_proj's weight is an
 external parameter of the MLP, whose hooks gather it in forward and backward (the function never calls down_proj).
 """
 
