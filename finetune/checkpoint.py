@@ -17,6 +17,8 @@ import random
 import re
 import shutil
 import socket
+from argparse import Namespace
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -24,6 +26,7 @@ import torch
 
 from finetune import dist
 from finetune.config import ConfigError
+from finetune.metrics import matmul_params
 
 ENGINE_TAG = "engine"
 UNIVERSAL_TAG = "universal"  # the same state converted for another world size (DeepSpeed universal checkpoint)
@@ -117,13 +120,18 @@ def saved_world_size(path: str) -> int:
         return int(json.load(f)["world_size"])
 
 
+def saved_step(path: str) -> int:
+    """The step a complete checkpoint was saved at."""
+    with open(os.path.join(path, MARKER)) as f:
+        return int(json.load(f)["step"])
+
+
 def prepare_reshard(path: str) -> None:
     """Convert a checkpoint saved on another number of ranks to DeepSpeed's universal format (once, atomically).
 
     The engine must then be created with {"checkpoint": {"load_universal": true}}; `load` picks the universal copy.
     """
-    from argparse import Namespace
-
+    # Lazy: only a resharded resume needs deepspeed here; prepare's checks of a checkpoint run without loading it.
     from deepspeed.checkpoint import ds_to_universal
 
     final, tmp = os.path.join(path, UNIVERSAL_TAG), os.path.join(path, f".tmp-{UNIVERSAL_TAG}")
@@ -151,10 +159,6 @@ def load(engine, path: str) -> int:
 
 def estimate_checkpoint_bytes(model_config: dict[str, Any], lora_trainable_fraction: float | None) -> int:
     """Bytes of one checkpoint: 16-bit weights of the whole model + fp32 master, Adam moments of what is trained."""
-    from types import SimpleNamespace
-
-    from finetune.metrics import matmul_params
-
     cfg = SimpleNamespace(**model_config)
     total = matmul_params(cfg) + cfg.vocab_size * cfg.hidden_size
     trained = total if lora_trainable_fraction is None else int(total * lora_trainable_fraction)

@@ -1,6 +1,6 @@
 """The `zerotune` command: argument dispatch only; each subcommand's logic lives in its own module.
 
-    zerotune train --deepspeed ds_configs/zero3.json --config recipes/tiny.yaml train.max_steps=20
+    zerotune train --deepspeed zero3 --config tiny train.max_steps=20
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ commands:
   estimate    per-GPU memory of every ZeRO stage for a recipe, and the fastest that fits
   plot        loss, eval loss, learning rate, tokens/s and memory over steps of one or more runs, as a PNG
   chat        talk with a trained model (run folder, export or LoRA adapter), or answer one --prompt
+  recipes     list the shipped recipes (--config NAME) and DeepSpeed configs (--deepspeed NAME);
+              `zerotune recipes cp NAME DEST` copies one out to edit
 
 `zerotune <command> --help` describes each command."""
 
@@ -44,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         from finetune.commands.plot import main as run
     elif command == "chat":
         from finetune.commands.chat import main as run
+    elif command == "recipes":
+        from finetune.commands.recipes import main as run
     else:
         print(f"zerotune: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-DEFAULT_RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "mistral7b_lora.yaml")
+from finetune import shipped
 
 
 class ConfigError(ValueError):
@@ -48,7 +47,7 @@ class ModelConfig:
     """Compute the output layer and the loss a chunk of tokens at a time, never holding the whole logits (finetune/perf/fused_loss.py)."""
     fused_mlp: bool = True
     """Each MLP's SwiGLU product and down projection as one function that rebuilds the product in backward instead of
-    keeping it (finetune/perf/fused_mlp.py): the same gradients, 20% less activation memory per layer."""
+    keeping it (finetune/perf/fused_mlp.py): the same gradients, one [tokens, intermediate] tensor less per layer."""
     kernels: Literal["auto", "liger", "none"] = "auto"
     """Fused Triton kernels for RMSNorm, SwiGLU and RoPE: `liger` (liger-kernel, CUDA), `auto` = liger when it is
     installed and the run is on CUDA, `none` = transformers' own modules."""
@@ -66,9 +65,10 @@ class LoraConfig:
     false = peft's own forward. Same maths; it skips a copy of the input per adapter, two passes over each output."""
     dropout_kernel: Literal["auto", "torch", "triton"] = "auto"
     """With lora.fused and dropout > 0: `triton` draws each mask from a seed inside Triton kernels (CUDA;
-    finetune/perf/lora_dropout.py) and keeps none (Mistral-7B at 8 rows of 2,048 tokens on an H200: 20 GiB less, 4-8%
-    faster); `torch` keeps native_dropout's bool mask per adapter; `auto`: triton on an NVIDIA GPU of compute
-    capability 8.0+ with Triton 3.0+, else torch. Other masks, the same distribution."""
+    finetune/perf/lora_dropout.py) and keeps none (less memory and faster steps than torch's dropout:
+    docs/benchmarks/2026-11-30-2xh200-vs-peer.md); `torch` keeps native_dropout's bool mask per adapter; `auto`:
+    triton on an NVIDIA GPU of compute capability 8.0+ with Triton 3.0+, else torch. Other masks, the same
+    distribution."""
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
@@ -151,7 +151,7 @@ class TrainConfig:
     gpu_memory_gib: float | None = None
     """GPU memory budget per GPU: zerotune picks activation checkpointing and micro-batch (and, with --deepspeed auto,
     the ZeRO stage and offload) that the estimator fits into it, keeping the batch per step; on CUDA it also caps the
-    allocator there (simulate a 24 GB card on a bigger one). null = no budget."""
+    allocator there (simulate a smaller card on a bigger one). null = no budget."""
     cpu_memory_gib: float | None = None
     """CPU memory per node that offloaded states may use; null = the node's (MemTotal, capped by its cgroup limit)."""
     profile_step: int = 0
@@ -201,10 +201,12 @@ class Recipe:
 
 
 def load_recipe(path: str | None = None, overrides: list[str] | None = None) -> Recipe:
-    """Read a YAML recipe (None = the default Mistral-7B LoRA recipe) and apply `section.key=value` overrides."""
-    path = path or DEFAULT_RECIPE
-    if not os.path.isfile(path):
-        raise ConfigError(f"recipe {path!r} not found: pass --config PATH to a YAML file (see recipes/)")
+    """Read a YAML recipe (a path, a shipped name such as `tiny`, or None = the default Mistral-7B LoRA recipe) and
+    apply `section.key=value` overrides."""
+    try:
+        path = shipped.recipe_path(path)
+    except shipped.NotShipped as e:
+        raise ConfigError(str(e)) from None
     with open(path) as f:
         try:
             raw = yaml.safe_load(f) or {}
@@ -221,7 +223,17 @@ def load_recipe(path: str | None = None, overrides: list[str] | None = None) -> 
         if not isinstance(raw[section], dict):
             raise ConfigError(f"{path}: section {section!r} must be a mapping")
         raw[section][name] = yaml.safe_load(text) if text != "" else ""
-    return _build(Recipe, raw, source=path)
+    return _with_shipped_paths(_build(Recipe, raw, source=path))
+
+
+def _with_shipped_paths(recipe: Recipe) -> Recipe:
+    """A relative recipes/... path (tiny.yaml's `model.path: recipes/tiny_model`) that does not exist from this
+    folder but does among the shipped files points at those: a shipped recipe, or a copy of one, runs from any folder."""
+    m, d = recipe.model, recipe.data
+    m.path, d.path = shipped.find(m.path), shipped.find(d.path)
+    m.tokenizer = shipped.find(m.tokenizer) if m.tokenizer else m.tokenizer
+    d.eval_path = shipped.find(d.eval_path) if d.eval_path else d.eval_path
+    return recipe
 
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:

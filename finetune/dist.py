@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import sys
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # torch is imported where it is used: the launcher uses free_port without paying for torch
+# torch and deepspeed are imported inside the functions that use them: the launcher (finetune/multinode) and the
+# tokenizer worker processes (finetune/data/cache.py) import this module and must start without them.
+if TYPE_CHECKING:
     import torch
 
 
@@ -53,7 +56,7 @@ def adopt_openmpi_env() -> None:
 
 def init(timeout_minutes: float = 30.0) -> None:
     """Start the process group once (gloo on CPU, nccl on GPU), with a bounded timeout so a lost rank ends the job."""
-    import deepspeed
+    import deepspeed  # lazy: the launcher and tokenizer workers import dist without torch
     import torch
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -86,8 +89,9 @@ def shm_workspace_path(rank_: int) -> str:
 
 
 def _unlink_shm_workspace() -> None:
-    """DeepSpeed's CPU shm all-reduce creates a 66 MB file per rank in /dev/shm and never unlinks it, so every CPU
-    run left them behind until /dev/shm (which is RAM) filled. init_distributed returns on a rank only after it has
+    """DeepSpeed's CPU shm all-reduce creates a file per rank in /dev/shm, the size of its all-reduce workspace (tens
+    of MB: struct allreduce_workspace in its csrc/cpu/comm/shm.cpp), and never unlinks it, so every CPU run left them
+    behind until /dev/shm (which is RAM) filled. init_distributed returns on a rank only after it has
     mapped every peer's workspace, so after a barrier the names can go: the mappings stay valid until the process
     exits, and a run that is killed leaves nothing behind either."""
     barrier()
@@ -99,17 +103,23 @@ def _unlink_shm_workspace() -> None:
 
 def free_port(address: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on at `address` (a loopback address) right now."""
-    import socket
-
     with socket.socket() as s:
         s.bind((address, 0))
         return s.getsockname()[1]
 
 
-def device() -> torch.device:
-    import torch
+def local_gpus() -> list[float]:
+    """Total memory in bytes of each CUDA device this process sees; [] without CUDA."""
+    import torch  # lazy: the launcher and tokenizer workers import dist without torch
 
-    import deepspeed
+    if not torch.cuda.is_available():
+        return []
+    return [float(torch.cuda.get_device_properties(i).total_memory) for i in range(torch.cuda.device_count())]
+
+
+def device() -> torch.device:
+    import deepspeed  # lazy: the launcher and tokenizer workers import dist without torch
+    import torch
 
     accelerator = deepspeed.get_accelerator()
     if accelerator.device_name() == "cpu":
@@ -119,7 +129,7 @@ def device() -> torch.device:
 
 def all_reduce_sum(value: float | torch.Tensor) -> torch.Tensor:
     """Sum a scalar or tensor over all ranks (a float64 copy; the input is left alone)."""
-    import torch
+    import torch  # lazy: the launcher and tokenizer workers import dist without torch
 
     t = torch.as_tensor(value, dtype=torch.float64).clone().detach()
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
@@ -136,7 +146,7 @@ def all_reduce_max(value: float) -> float:
 
 def all_reduce_max_each(values: list[float]) -> list[float]:
     """The maximum over all ranks of each value, in one collective."""
-    import torch
+    import torch  # lazy: the launcher and tokenizer workers import dist without torch
 
     t = torch.tensor(values, dtype=torch.float64)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
@@ -146,7 +156,7 @@ def all_reduce_max_each(values: list[float]) -> list[float]:
 
 
 def barrier() -> None:
-    import torch
+    import torch  # lazy: the launcher and tokenizer workers import dist without torch
 
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.barrier()
@@ -155,7 +165,7 @@ def barrier() -> None:
 def shutdown() -> None:
     """Leave the process group cleanly at the end of a run: exiting with gloo's threads still running can end the
     process with `terminate called without an active exception` (SIGABRT) after a successful run."""
-    import torch
+    import torch  # lazy: the launcher and tokenizer workers import dist without torch
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         barrier()

@@ -16,17 +16,26 @@ import json
 import os
 from typing import Any
 
+from finetune import shipped
 from finetune.config import ConfigError, Recipe
 
 AUTO = "auto"
 
 
+def ds_json_path(path: str) -> str:
+    """The file behind `--deepspeed`: a path (an existing one wins) or a shipped name such as `zero3` or `zero3.json`."""
+    try:
+        return shipped.ds_config_path(path)
+    except shipped.NotShipped as e:
+        raise ConfigError(str(e)) from None
+
+
 def load_ds_json(path: str) -> dict[str, Any]:
+    """The DeepSpeed JSON at `path` (or of a shipped name), as written."""
+    path = ds_json_path(path)
     try:
         with open(path) as f:
             return json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"DeepSpeed config {path!r} not found: pass --deepspeed ds_configs/zero3.json (or another file in ds_configs/)") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
 
@@ -140,8 +149,9 @@ def bf16_enabled(ds: dict[str, Any]) -> bool:
 @functools.cache
 def native_cpu_bf16() -> bool:
     """Whether this CPU computes bf16 natively (oneDNN's AVX-512 paths). Without them (e.g. an AVX2-only CPU) torch
-    emulates bf16 GEMMs, 10-100x slower than fp32 ones (finetune/perf/fused_loss.py runs the output layer's in fp32 there)."""
-    import torch
+    emulates bf16 GEMMs, far slower than fp32 ones (docs/benchmarks/2026-12-01-cpu-bf16-emulation.md);
+    finetune/perf/fused_loss.py runs the output layer's in fp32 there."""
+    import torch  # lazy: `zerotune estimate` and `compare` resolve DeepSpeed JSONs without torch
 
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -151,7 +161,7 @@ def native_cpu_bf16() -> bool:
 
 def emulated_bf16_note(ds: dict[str, Any]) -> str | None:
     """A note for a bf16 run on the CPU of a machine without native bf16, or None."""
-    import torch
+    import torch  # lazy: as in native_cpu_bf16
 
     if not bf16_enabled(ds) or torch.cuda.is_available() or native_cpu_bf16():
         return None
@@ -163,7 +173,8 @@ def emulated_bf16_note(ds: dict[str, Any]) -> str | None:
 
 def quickstart_ds_config() -> str:
     """The DeepSpeed file launch/quickstart.sh trains the tiny recipe with (and its test, tests/test_tiny_recipe.py):
-    ZeRO-3 in bf16, or in fp32 on a CPU without native bf16 (there fp32 took 134 s on 2 cores, bf16 186 s)."""
+    ZeRO-3 in bf16, or in fp32 on a CPU without native bf16, where fp32 is the faster
+    (docs/benchmarks/2026-12-01-cpu-bf16-emulation.md)."""
     return "ds_configs/zero3_fp32.json" if emulated_bf16_note({"bf16": {"enabled": True}}) else "ds_configs/zero3.json"
 
 

@@ -18,9 +18,18 @@ import shutil
 import sys
 from collections import defaultdict
 
+import deepspeed
 import torch
+import yaml
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from safetensors.torch import save_file
 
 from finetune import dist
+from finetune.checkpoint import ENGINE_TAG, MARKER, resolve_resume
+from finetune.config import ConfigError, load_recipe
+from finetune.data.tokenizer import load_tokenizer
+from finetune.ds_config import bf16_enabled, zero_stage
+from finetune.model import build_model
 
 SHARD_BYTES = 2 * 2**30
 LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -40,8 +49,6 @@ def _groups(module) -> list[list[tuple[str, torch.nn.Parameter]]]:
 
 
 def _gathered(params):
-    import deepspeed
-
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
@@ -58,8 +65,6 @@ class _ShardWriter:
             self.flush()
 
     def flush(self) -> None:
-        from safetensors.torch import save_file
-
         if not self.current:
             return
         path = os.path.join(self.folder, f"part-{len(self.files):05d}.safetensors")
@@ -143,20 +148,10 @@ def export_engine(engine, out: str, tokenizer, lora: bool, merge: bool = False) 
 
 def export_checkpoint(checkpoint_path: str, out: str, merge: bool) -> str:
     """Offline export of a saved checkpoint, in this one process, from the engine's own fp32 master weights."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    from finetune.checkpoint import ENGINE_TAG, MARKER
-    from finetune.config import load_recipe
-    from finetune.data.tokenizer import load_tokenizer
-    from finetune.ds_config import bf16_enabled, zero_stage
-    from finetune.model import build_model
-
     with open(os.path.join(checkpoint_path, MARKER)) as f:
         meta = json.load(f)
     recipe, ds = meta["recipe"], meta["ds_config"]
     tmp_recipe = os.path.join(os.path.dirname(checkpoint_path), f".export-recipe-{os.getpid()}.yaml")
-    import yaml
-
     with open(tmp_recipe, "w") as f:
         yaml.safe_dump(recipe, f)
     try:
@@ -179,9 +174,6 @@ def export_checkpoint(checkpoint_path: str, out: str, merge: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from finetune.checkpoint import resolve_resume
-    from finetune.config import ConfigError
-
     p = argparse.ArgumentParser(prog="zerotune export", description=__doc__.splitlines()[0])
     p.add_argument("run_dir", help="a run folder (its newest complete checkpoint) or a checkpoint folder")
     p.add_argument("--step", type=int, default=None, help="export the checkpoint of this step")

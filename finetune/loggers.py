@@ -26,6 +26,7 @@ def check_backends(names: list[str]) -> None:
 def _import(name: str):
     if name not in BACKENDS:
         raise ConfigError(f"train.log_to: unknown back-end {name!r}; choose from {', '.join(BACKENDS)}")
+    # Lazy: both packages are optional, imported only when train.log_to names them.
     try:
         if name == "tensorboard":
             # torch ships this module, but it raises ImportError without the tensorboard package.

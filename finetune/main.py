@@ -11,6 +11,7 @@ if __name__ == "__main__":
     here = os.path.dirname(os.path.abspath(__file__))
     if sys.path and os.path.abspath(sys.path[0]) == here:
         sys.path[0] = os.path.dirname(here)
+    # Imported after the sys.path fix, so that they and every library they import resolve without our shadows.
     from finetune.dist import exit_process
     from finetune.train import main
 

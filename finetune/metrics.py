@@ -1,9 +1,13 @@
-"""Training FLOPs counted exactly for Mistral, throughput, memory, the progress line and metrics.jsonl.
+"""Training FLOPs counted exactly for Mistral, throughput, memory, the progress line, and metrics.jsonl (written
+and read: the one reader of the file is `read_metrics`).
 
     log = MetricsLog(output_dir, max_steps, enabled=True); log.write({"step": 1, "loss": 2.3, ...})
+    records = read_metrics("runs/x/metrics.jsonl")
 
 FLOPs follow the usual convention (a multiply-add is 2 FLOPs, backward is twice forward, recomputation by
 activation checkpointing is not counted, attention scores are counted over the full sample length).
+torch is imported only by the functions that ask the device: `zerotune plot` and `compare` read metrics.jsonl
+through this module without loading it.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import sys
 import time
 from typing import Any
 
-import torch
+from finetune.loggers import build_backends
 
+METRICS_FILE = "metrics.jsonl"
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16
 
 
@@ -41,12 +46,10 @@ def training_flops(cfg, sample_lengths: list[int]) -> float:
     return float(dense + attn)
 
 
-def flops_per_token(cfg, seq_len: int) -> float:
-    return training_flops(cfg, [seq_len]) / seq_len
-
-
 def peak_tflops() -> float | None:
     """Dense bf16 peak of this GPU, if we know it (MFU is left out otherwise)."""
+    import torch  # lazy: see the module docstring
+
     if not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name()
@@ -55,12 +58,16 @@ def peak_tflops() -> float | None:
 
 def peak_memory_gib() -> float:
     """Peak accelerator memory allocated by this process, or peak resident memory on CPU."""
+    import torch  # lazy: see the module docstring
+
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def peak_reserved_gib() -> float:
+    import torch  # lazy: see the module docstring
+
     if torch.cuda.is_available():
         return torch.cuda.max_memory_reserved() / 2**30
     return peak_memory_gib()
@@ -79,12 +86,9 @@ class MetricsLog:
                  log_to: list[str] | None = None, run_config: dict[str, Any] | None = None,
                  wandb_project: str = "zerotune"):
         self.enabled, self.max_steps, self.start_step = enabled, max_steps, start_step
-        self.path = os.path.join(output_dir, "metrics.jsonl") if output_dir else None
+        self.path = os.path.join(output_dir, METRICS_FILE) if output_dir else None
         self.backends = []
         if enabled and log_to and output_dir:
-            # Only a run that asks for a back-end imports its package.
-            from finetune.loggers import build_backends
-
             self.backends = build_backends(log_to, output_dir, run_config, start_step, wandb_project)
         self.t0 = time.perf_counter()
 
@@ -117,3 +121,29 @@ class MetricsLog:
             f"mem {record['peak_mem_gib']:.1f} GiB | ETA {_duration(eta)}",
             file=sys.stderr, flush=True,
         )
+
+
+class MetricsError(ValueError):
+    """A metrics.jsonl line that is not JSON; the message names the file and the line."""
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    """Every record of a metrics.jsonl in file order: step records, and eval records ({"step", "eval_loss"}).
+    Blank lines are skipped; a line that is not JSON raises MetricsError naming `path:line`."""
+    records = []
+    with open(path) as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise MetricsError(f"{path}:{n}: not a JSON line") from None
+    return records
+
+
+def truncate_metrics(path: str, keep_until: int) -> None:
+    """Keep the records of steps <= keep_until (none when 0): a resumed run rewrites what came after its checkpoint."""
+    kept = [r for r in read_metrics(path) if r["step"] <= keep_until] if keep_until > 0 and os.path.exists(path) else []
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)

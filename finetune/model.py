@@ -1,6 +1,7 @@
 """Load Mistral from a local folder (or build it from config.json with seeded random weights), then checkpointing and LoRA.
 
     model, keepalive = build_model(recipe.model, recipe.lora, ds_config)
+    applied = perf.apply(model, recipe, ds_config)   # the speed-ups are applied by finetune/perf, not here
 
 Under ZeRO-3 the model is built inside `zero.Init` (through transformers' HfDeepSpeedConfig), so each rank
 materialises only its own shard while loading: no rank ever holds the full model in RAM.
@@ -41,21 +42,14 @@ def has_weights(path: str) -> bool:
 
 
 def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, ds_config: dict[str, Any]):
-    """The model to hand to deepspeed.initialize, and an object that must stay alive until then (ZeRO-3's HfDeepSpeedConfig)."""
+    """The model to hand to deepspeed.initialize (after finetune.perf.apply), and an object that must stay alive until
+    then (ZeRO-3's HfDeepSpeedConfig). It is transformers' and peft's model as built: no speed-up is applied here."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    from finetune import dist
-    from finetune.perf import liger as kernels
     from finetune.memory.estimate import recomputed_layers
-    from finetune.perf.fused_lora import install_fused_lora
-    from finetune.perf.fused_mlp import install_fused_mlp
-    from finetune.perf.fused_loss import install_fused_loss
 
     check_model_dir(model_cfg)
-    liger = kernels.apply(model_cfg.kernels) == "liger"
-    if liger:
-        dist.print0("kernels: liger-kernel's RMSNorm, SwiGLU and RoPE (model.kernels)")
     dtype = torch.bfloat16 if bf16_enabled(ds_config) else torch.float32
     # transformers consults a global weak reference: while this object lives, from_pretrained/from_config run
     # under deepspeed.zero.Init and partition each layer as it is built.
@@ -81,17 +75,11 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, ds_config: dict[st
         if dtype != torch.float32:
             # peft creates the adapters in fp32. ZeRO-0/1/2 cast the module to bf16 in deepspeed.initialize; ZeRO-3
             # casts no parameter of a model built under zero.Init, so its adapters stayed fp32 and every adapted
-            # projection upcast its input (measured 3.0K tok/s/GPU against ZeRO-2's 8.2K on 2xH200). The optimizer
-            # keeps its fp32 master copy either way.
+            # projection upcast its input, at a fraction of ZeRO-2's speed
+            # (docs/benchmarks/2026-11-30-2xh200-compare.md). The optimizer keeps its fp32 master copy either way.
             for p in model.parameters():
                 if p.requires_grad and p.dtype == torch.float32:
                     p.data = p.data.to(dtype)
-        if lora_cfg.fused:
-            install_fused_lora(model, zero_stage(ds_config), lora_cfg.dropout_kernel)
-    if model_cfg.fused_mlp:  # after LoRA: a LoRA-adapted down_proj keeps its own path
-        install_fused_mlp(model, zero_stage(ds_config), liger)
-    if model_cfg.fused_loss:
-        install_fused_loss(model)
     return model, keepalive
 
 

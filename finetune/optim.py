@@ -13,7 +13,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import deepspeed
 import torch
+from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
 from finetune.config import OptimConfig
 from finetune.ds_config import offloads_optimizer
@@ -41,19 +43,13 @@ def lr_lambda(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float)
 
 
 def build_optimizer(model, cfg: OptimConfig, max_steps: int, ds_config: dict[str, Any]):
-    import deepspeed
-
     groups = param_groups(model, cfg.weight_decay)
     kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     if offloads_optimizer(ds_config):
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
         optimizer = DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
     elif deepspeed.get_accelerator().device_name() == "cpu":
         optimizer = torch.optim.AdamW(groups, foreach=False, **kwargs)
     elif cfg.implementation == "deepspeed":
-        from deepspeed.ops.adam import FusedAdam
-
         optimizer = FusedAdam(groups, adam_w_mode=True, **kwargs)
     else:
         optimizer = torch.optim.AdamW(groups, fused=True, **kwargs)

@@ -1,7 +1,13 @@
-"""Shared fixtures: the repo root on sys.path (tests.plugins imports), loopback-only networking for every rank."""
+"""Shared setup: the repo root on sys.path (tests.* imports), loopback-only networking for every rank, tiers by folder.
+
+Each test is marked by its folder: tests/unit (`unit`), tests/integration (`integration`), tests/gpu (`gpu`, skipped
+without CUDA). `python -m pytest tests/unit` runs one tier, `-m "not integration"` another selection.
+"""
 
 import os
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -10,21 +16,38 @@ if ROOT not in sys.path:
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 
-# The files whose multi-rank runs take longest (seconds on 2 cores, alone), run first: with `pytest -n 2 --dist
-# loadfile` each file goes whole to the worker that is free, so starting with the longest lets the two workers end
-# together instead of one finishing a long file alone. The other files keep their order, after these.
-LONGEST_FIRST = ["test_checkpoint.py",  # ~250 s
-                 "test_parity.py",  # ~180 s
-                 "test_offload.py",  # ~110 s
-                 "test_launcher.py",  # ~90 s
-                 "test_tiny_recipe.py",  # ~80 s
-                 "test_compare.py",  # ~55 s
-                 "test_chat.py"]  # ~40 s
+TIERS = ("unit", "integration", "gpu")
+
+# Integration files whose multi-rank runs take longest, run first: with `pytest -n 2 --dist loadfile` each file goes
+# whole to the worker that is free, so starting with the longest lets the two workers end together instead of one
+# finishing a long file alone. The other files keep their order, after these.
+LONGEST_FIRST = ["test_parity.py", "test_checkpoint.py", "test_offload.py", "test_launcher.py",
+                 "test_tiny_recipe.py", "test_compare.py", "test_chat.py"]
+
+
+def _tier(item) -> str | None:
+    parts = os.path.relpath(str(item.fspath), os.path.join(ROOT, "tests")).split(os.sep)
+    return parts[0] if parts[0] in TIERS else None
 
 
 def pytest_collection_modifyitems(session, config, items):
+    cuda = None
+    for item in items:
+        tier = _tier(item)
+        if tier:
+            item.add_marker(getattr(pytest.mark, tier))
+        if tier == "gpu":
+            if cuda is None:
+                import torch  # only when GPU tests were collected
+
+                cuda = torch.cuda.is_available()
+            if not cuda:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
     def rank(item):
         name = os.path.basename(str(item.fspath))
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+        if _tier(item) == "integration" and name in LONGEST_FIRST:
+            return LONGEST_FIRST.index(name)
+        return len(LONGEST_FIRST) + (1 if _tier(item) == "unit" else 0)
 
     items.sort(key=rank)  # stable: the order within a file, and of the other files, is kept

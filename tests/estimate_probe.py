@@ -20,7 +20,7 @@ skip_shm_build()
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
-from finetune import dist  # noqa: E402
+from finetune import dist, perf  # noqa: E402
 from finetune.config import load_recipe  # noqa: E402
 from finetune.ds_config import engine_config, resolve_ds_config  # noqa: E402
 from finetune.model import build_model  # noqa: E402
@@ -61,6 +61,7 @@ def run_case(model_dir: str, case: dict) -> dict:
                          [f"model.path={model_dir}", f"lora.enabled={str(case['lora']).lower()}"])
     ds = resolve_ds_config(case["deepspeed"], recipe, dist.world_size(), 128)
     model, keepalive = build_model(recipe.model, recipe.lora, ds)
+    perf.apply(model, recipe, ds)
     optimizer, scheduler = build_optimizer(model, recipe.optim, 10, ds)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=engine_config(ds))
     ids = torch.randint(0, 32000, (1, 32), generator=torch.Generator().manual_seed(dist.rank()))

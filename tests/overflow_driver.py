@@ -3,7 +3,8 @@
     python tests/overflow_driver.py OUT.json CASES.json    (one rank; tests/test_overflow_check.py)
 
 A case: stage, check ("norm": optim.overflow_check=norm, "deepspeed": DeepSpeed's per-tensor test too, "off":
-bf16.check_grad_overflow=false) and nan (poison one gradient). Real engines on gloo, a small random Mistral.
+bf16.check_grad_overflow=false) and nan (poison one gradient). Real engines on gloo, a small random Mistral; the check is
+applied as a run applies it, by finetune.perf.apply_engine.
 """
 
 import os
@@ -20,7 +21,8 @@ def one_case(case: dict) -> dict:
     import deepspeed
     from transformers import MistralConfig, MistralForCausalLM
 
-    from finetune.perf.overflow_check import install_overflow_check
+    from finetune import perf
+    from finetune.config import OptimConfig, Recipe
 
     torch.manual_seed(0)
     config = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -31,7 +33,8 @@ def one_case(case: dict) -> dict:
           "zero_optimization": {"stage": case["stage"]}, "steps_per_print": 10**9}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
-    installed = install_overflow_check(engine, "norm" if case["check"] == "norm" else "deepspeed")
+    recipe = Recipe(optim=OptimConfig(overflow_check="norm" if case["check"] == "norm" else "deepspeed"))
+    installed = perf.apply_engine(engine, recipe) == ["overflow_check"]
     tests_run = []
     per_tensor = engine.optimizer.has_overflow_partitioned_grads_serial
     engine.optimizer.has_overflow_partitioned_grads_serial = lambda: tests_run.append(1) or per_tensor()

@@ -218,7 +218,7 @@ def test_auto_checkpointing_is_planned_from_the_budget_or_none_without_a_gpu():
     assert (plan.activation_checkpointing, plan.micro_batch_size) == ("none", 4)
 
 
-# Peak GiB allocated per GPU of zerotune's defaults in docs/benchmarks/vs_peer_2xh200.md (2xH200, liger on, 8 rows of
+# Peak GiB allocated per GPU of zerotune's defaults in docs/benchmarks/2026-11-30-2xh200-vs-peer.md (2xH200, liger on, 8 rows of
 # 2,048 tokens per GPU per step, the card's 139.8 GiB as the budget): (checkpointing, micro-batch) chosen, measured peak.
 VS_PEER_H200 = {("full", "zero2"): ("none", 4, 102.0), ("full", "zero3"): ("selective", 8, 93.3),
                 ("lora", "zero2"): ("none", 8, 117.8), ("lora", "zero3"): ("none", 8, 124.6)}
@@ -240,7 +240,7 @@ def test_auto_plans_of_the_h200_benchmark(kind, zero):
 
 # The same with the fused LoRA projection (lora.fused, the default since; finetune/perf/fused_lora.py), lora.dropout 0.05
 # and 0, with torch's dropout and with the default (auto: the Triton kernels of finetune/perf/lora_dropout.py on a GPU):
-# (zero, dropout, kernel) -> (checkpointing, micro-batch, measured peak GiB); docs/benchmarks/vs_peer_2xh200.md.
+# (zero, dropout, kernel) -> (checkpointing, micro-batch, measured peak GiB); docs/benchmarks/2026-11-30-2xh200-vs-peer.md.
 FUSED_LORA_H200 = {("zero2", 0.05, "torch"): ("none", 8, 102.4), ("zero2", 0.0, "torch"): ("none", 8, 82.7),
                    ("zero3", 0.05, "torch"): ("none", 8, 97.6), ("zero3", 0.0, "torch"): ("none", 8, 77.9),
                    ("zero2", 0.05, "auto"): ("none", 8, 82.7), ("zero3", 0.05, "auto"): ("none", 8, 77.9)}
@@ -262,7 +262,7 @@ def test_fused_lora_plans_of_the_h200_benchmark(zero, dropout, kernel):
 
 
 # Full fine-tune under ZeRO-3 on 2xH200 (liger, fused LoRA off: no LoRA), selective recomputation of k of the 32 layers
-# at micro-batch 8: k -> measured peak GiB allocated per GPU (docs/benchmarks/vs_peer_2xh200.md, call rc1).
+# at micro-batch 8: k -> measured peak GiB allocated per GPU (docs/benchmarks/2026-11-30-2xh200-vs-peer.md, call rc1).
 RECOMPUTE_H200 = {4: 127.1, 8: 117.8}
 
 
@@ -281,7 +281,7 @@ def test_full_zero3_recomputes_the_fewest_layers_that_fit_the_h200():
 
 
 # Full fine-tune with the fused MLP (model.fused_mlp, the default since; finetune/perf/fused_mlp.py) on 2xH200, liger on, 8
-# rows per GPU per step: zero -> (checkpointing, micro-batch, measured peak GiB); docs/benchmarks/vs_peer_2xh200.md.
+# rows per GPU per step: zero -> (checkpointing, micro-batch, measured peak GiB); docs/benchmarks/2026-11-30-2xh200-vs-peer.md.
 FUSED_MLP_H200 = {"zero2": ("none", 8, 115.6), "zero3": ("none", 8, 119.6)}
 
 

@@ -106,6 +106,7 @@ def test_installed_only_where_down_proj_is_a_plain_linear():
 
 
 def test_recipe_switch(tmp_path):
+    from finetune import perf
     from finetune.config import load_recipe
     from finetune.model import build_model
 
@@ -113,7 +114,9 @@ def test_recipe_switch(tmp_path):
     for on, expected in ((True, True), (False, False)):
         recipe = load_recipe(TINY_RECIPE, [f"model.path={model_dir}", "lora.enabled=false",
                                            f"model.fused_mlp={str(on).lower()}"])
-        model, _ = build_model(recipe.model, recipe.lora, {"bf16": {"enabled": False}})
+        ds = {"bf16": {"enabled": False}}
+        model, _ = build_model(recipe.model, recipe.lora, ds)
+        assert ("fused_mlp" in perf.apply(model, recipe, ds)) == expected
         assert {hasattr(m, "_fused_mlp_liger") for n, m in model.named_modules() if n.endswith(".mlp")} == {expected}
 
 

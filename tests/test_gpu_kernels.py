@@ -1,24 +1,37 @@
 """liger-kernel's RMSNorm, SwiGLU and RoPE (model.kernels) leave the loss curve unchanged: 6 AdamW steps of a small
 Mistral, with and without the kernels, fp32 and bf16. Needs CUDA and liger-kernel (Triton), so CI (CPU) skips it; the
-GPU benchmark call runs it (benchmarks/gpu_vs_peer.sh) and docs/benchmarks/vs_peer_2xh200.md records the result.
+GPU benchmark call runs it (benchmarks/gpu_vs_peer.sh) and docs/benchmarks/2026-11-30-2xh200-vs-peer.md records the
+result. The kernels go into each model through finetune.perf.apply (per instance: the models without them here are
+transformers' own, whatever ran before).
 """
 
 import pytest
 import torch
 
+from finetune import perf
+from finetune.config import Recipe, load_recipe
 from finetune.perf import liger as kernels
-from tests.helpers import save_tiny_model
+from tests.helpers import TINY_RECIPE, save_tiny_model
 
 pytestmark = pytest.mark.skipif(kernels.available() is not None, reason=str(kernels.available()))
 
+STAGE0 = {"zero_optimization": {"stage": 0}}
 
-def _curve(model_dir: str, dtype, steps: int = 6) -> list[float]:
+
+def _recipe(model_dir: str, liger: bool, fused_loss: bool) -> Recipe:
+    return load_recipe(TINY_RECIPE, [f"model.path={model_dir}", "lora.enabled=false", "model.fused_mlp=false",
+                                     f"model.kernels={'liger' if liger else 'none'}",
+                                     f"model.fused_loss={str(fused_loss).lower()}"])
+
+
+def _curve(model_dir: str, dtype, liger: bool, steps: int = 6) -> list[float]:
     from transformers import AutoModelForCausalLM
 
-    from finetune.perf.fused_loss import install_fused_loss, fused_loss
+    from finetune.perf.fused_loss import fused_loss
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda()
-    install_fused_loss(model)
+    applied = perf.apply(model, _recipe(model_dir, liger, fused_loss=True), STAGE0)
+    assert applied == (["liger", "fused_loss"] if liger else ["fused_loss"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
     losses = []
@@ -35,27 +48,12 @@ def _curve(model_dir: str, dtype, steps: int = 6) -> list[float]:
 
 def test_liger_kernels_leave_the_loss_curve(tmp_path):
     model_dir = save_tiny_model(str(tmp_path / "m"))
-    plain = {dtype: _curve(model_dir, dtype) for dtype in (torch.float32, torch.bfloat16)}
-    assert kernels.apply("auto") == "liger"  # patches transformers' Mistral modules for models built from now on
-    liger = {dtype: _curve(model_dir, dtype) for dtype in (torch.float32, torch.bfloat16)}
+    plain = {dtype: _curve(model_dir, dtype, liger=False) for dtype in (torch.float32, torch.bfloat16)}
+    liger = {dtype: _curve(model_dir, dtype, liger=True) for dtype in (torch.float32, torch.bfloat16)}
     print({str(k): (plain[k], liger[k]) for k in plain})
     assert plain[torch.float32][-1] < plain[torch.float32][0]
     assert max(abs(a - b) for a, b in zip(plain[torch.float32], liger[torch.float32])) < 1e-4
     assert max(abs(a - b) for a, b in zip(plain[torch.bfloat16], liger[torch.bfloat16])) < 2e-2
-
-
-class TorchMLP(torch.nn.Module):
-    """transformers' MistralMLP (act_fn = silu), which liger's patch replaces in transformers' module."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.gate_proj = torch.nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = torch.nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = torch.nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def _mlp_grads(model, ids):
@@ -71,23 +69,19 @@ def test_fused_mlp_gradients_on_cuda(tmp_path, liger):
     or bf16's (the down projection's weight gradient is one GEMM over the rebuilt product)."""
     import copy
 
+    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
     from transformers import AutoModelForCausalLM
 
     from finetune.perf.fused_mlp import install_fused_mlp
 
     model_dir = save_tiny_model(str(tmp_path / "m"))
-    if liger:
-        assert kernels.apply("auto") == "liger"
     ids = torch.randint(0, 32000, (2, 128), generator=torch.Generator().manual_seed(0)).cuda()
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
         plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda()
-        if not liger:  # transformers' own MLP (an earlier test patched liger's into its module)
-            for layer in plain.model.layers:
-                mlp = TorchMLP(plain.config).to(dtype).cuda()
-                mlp.load_state_dict(layer.mlp.state_dict())
-                layer.mlp = mlp
-        assert (type(plain.model.layers[0].mlp).__name__ == "LigerSwiGLUMLP") == liger
-        fused = copy.deepcopy(plain)
+        assert perf.apply(plain, _recipe(model_dir, liger, fused_loss=False), STAGE0) == (["liger"] if liger else [])
+        mlp_forward = getattr(plain.model.layers[0].mlp.forward, "__func__", None)
+        assert (mlp_forward is LigerSwiGLUMLP.forward) == liger
+        fused = copy.deepcopy(plain)  # the fused MLP alone, on top of what plain runs
         assert install_fused_mlp(fused, zero_stage=2, liger=liger) == len(plain.model.layers)
         loss_p, grads_p = _mlp_grads(plain, ids)
         loss_f, grads_f = _mlp_grads(fused, ids)

@@ -1,7 +1,7 @@
 """benchmarks/vs_peer.py's bookkeeping, without GPUs: which runs one command makes, how --resume continues a run
 that --stop-after cut short, and how A/B variants reach the zerotune launch (recipe overrides, DeepSpeed edits,
 environment). The launches themselves are replaced by recorders: what they run is measured on the H200s
-(docs/benchmarks/vs_peer_2xh200.md)."""
+(docs/benchmarks/2026-11-30-2xh200-vs-peer.md)."""
 
 import argparse
 import json

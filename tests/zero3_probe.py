@@ -12,7 +12,7 @@ from tests.helpers import skip_shm_build  # noqa: E402
 
 skip_shm_build()
 
-from finetune import dist  # noqa: E402
+from finetune import dist, perf  # noqa: E402
 from finetune.config import load_recipe  # noqa: E402
 from finetune.ds_config import resolve_ds_config  # noqa: E402
 from finetune.model import build_model, resident_parameter_elements, trainable_parameters  # noqa: E402
@@ -27,6 +27,7 @@ if __name__ == "__main__":
     ds = resolve_ds_config(os.path.join(ROOT, "ds_configs", "zero3.json"), recipe, dist.world_size(), 128)
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # partition every tensor, even the norms
     model, keepalive = build_model(recipe.model, recipe.lora, ds)
+    perf.apply(model, recipe, ds)
     _, total = trainable_parameters(model)
     with open(f"{out_prefix}.{dist.rank()}.json", "w") as f:
         json.dump({"resident": resident_parameter_elements(model), "total": total, "world": dist.world_size()}, f)

@@ -21,9 +21,14 @@ import tempfile
 from dataclasses import dataclass
 
 import torch
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
 
+from finetune.checkpoint import MARKER, STEP_DIR, find_latest
 from finetune.data.template import Message, encode_prompt
+from finetune.data.tokenizer import load_tokenizer
 from finetune.generate import reply
+from finetune.model import has_weights
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
@@ -54,8 +59,6 @@ def saved_dtype(folder: str) -> torch.dtype:
 def _resolve(path: str, workdir: str | None) -> str:
     """The HF or adapter folder behind `path` (a run folder's checkpoint is exported into `workdir`, or a new
     temporary folder that the caller owns)."""
-    from finetune.checkpoint import MARKER, STEP_DIR, find_latest
-
     if not os.path.isdir(path):
         raise ChatError(f"{path!r} does not exist: give a run folder, an exported model folder or a LoRA adapter folder")
     if any(os.path.isfile(os.path.join(path, f)) for f in ("adapter_config.json", "config.json")):
@@ -67,6 +70,8 @@ def _resolve(path: str, workdir: str | None) -> str:
     if checkpoint is None:
         raise ChatError(f"{path!r} is not a run folder with export/ or a complete checkpoint (checkpoints/step_*/{MARKER}), "
                         f"an HF model folder (config.json) or a LoRA adapter folder (adapter_config.json)")
+    # lazy: finetune.export imports deepspeed, which logs to stdout as it loads; by now main() sends stdout to stderr,
+    # so a one-shot answer stays alone on stdout
     from finetune.export import export_checkpoint
 
     print(f"exporting {checkpoint} to a temporary folder", file=sys.stderr)
@@ -77,8 +82,6 @@ def _resolve(path: str, workdir: str | None) -> str:
 
 
 def _tokenizer(*folders: str):
-    from finetune.data.tokenizer import load_tokenizer
-
     for folder in folders:
         try:
             return load_tokenizer(folder)
@@ -90,9 +93,6 @@ def _tokenizer(*folders: str):
 def load_chat_model(path: str, base: str | None = None, device: str | None = None, workdir: str | None = None) -> ChatModel:
     """Load what `path` names, ready for `reply`; a checkpoint is exported into `workdir` (default: a new temporary
     folder), which must outlive the call."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()  # a chat prompt, not a loading bar, is what the user should see
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     folder = _resolve(path, workdir)
@@ -102,9 +102,7 @@ def load_chat_model(path: str, base: str | None = None, device: str | None = Non
         what = f"{folder} ({model.dtype})"
         tokenizer = _tokenizer(folder)
     else:
-        from peft import PeftModel
-
-        from finetune.model import has_weights
+        from peft import PeftModel  # lazy: slow to import, and only a LoRA adapter needs it
 
         with open(adapter_file) as f:
             recorded = json.load(f).get("base_model_name_or_path")

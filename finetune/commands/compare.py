@@ -17,9 +17,14 @@ import subprocess
 import sys
 from typing import Any
 
+from finetune import dist, shipped
+from finetune.commands.plot import plot_runs, plot_throughput_memory
+from finetune.config import ConfigError, load_recipe
+from finetune.ds_config import offloads_optimizer, zero_stage
 from finetune.memory.budget import describe_checkpointing
+from finetune.metrics import METRICS_FILE, read_metrics
+from finetune.memory.estimate import GIB, estimate_run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OWNED = ("train.output_dir", "train.max_steps")  # compare sets these; --out and --steps say them once for every stage
 BF16_TOLERANCE, FP32_TOLERANCE = 2e-2, 1e-4
 
@@ -40,7 +45,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tolerance", type=float, default=None,
                    help=f"largest allowed |loss - first stage's loss| at any step "
                         f"(default {BF16_TOLERANCE} for bf16 runs, {FP32_TOLERANCE} for fp32)")
-    p.add_argument("--ds-dir", default=os.path.join(ROOT, "ds_configs"), help="folder with zero{0,1,2,3}[_offload].json")
+    p.add_argument("--ds-dir", default=os.path.join(shipped.ROOT, "ds_configs"), help="folder with zero{0,1,2,3}[_offload].json")
     p.add_argument("--out", required=True, metavar="DIR", help="one run folder per stage, and the summary")
     p.add_argument("--overwrite", action="store_true", help="reuse a non-empty DIR (its run folders are overwritten)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="recipe overrides, the same for every stage")
@@ -64,10 +69,11 @@ def shared_init(config: str | None, overrides: list[str], out: str, bf16: bool) 
     Under ZeRO-3, zero.Init builds the weights partition by partition and draws different random numbers than a plain
     build, so without this ZeRO-3 would start from other weights and its losses could not be compared.
     """
+    # lazy: torch and transformers (finetune.model imports both) are slow to import; `zerotune compare --help` does
+    # without them
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.config import load_recipe
     from finetune.model import check_model_dir, has_weights
 
     model = load_recipe(config, overrides).model
@@ -89,7 +95,7 @@ def run_command(name: str, args: argparse.Namespace, gpus: int, port: int, init:
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     budget = name[len("budget"):] if name.startswith("budget") else None
     cmd = [deepspeed if os.path.exists(deepspeed) else "deepspeed", "--num_gpus", str(gpus),
-           "--master_addr", "127.0.0.1", "--master_port", str(port), os.path.join(ROOT, "finetune", "main.py"),
+           "--master_addr", "127.0.0.1", "--master_port", str(port), os.path.join(shipped.PACKAGE, "main.py"),
            "--deepspeed", "auto" if budget else os.path.join(args.ds_dir, f"{name}.json")]
     if args.config:
         cmd += ["--config", args.config]
@@ -101,9 +107,7 @@ def run_command(name: str, args: argparse.Namespace, gpus: int, port: int, init:
 
 def load_steps(path: str) -> list[dict[str, Any]]:
     """The per-step records of a metrics.jsonl (eval lines, which carry eval_loss instead of loss, are left out)."""
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return [r for r in records if "loss" in r]
+    return [r for r in read_metrics(path) if "loss" in r]
 
 
 def summarize_run(name: str, run_dir: str, steps: list[dict[str, Any]], skip: int, world: int) -> dict[str, Any]:
@@ -128,8 +132,6 @@ def summarize_run(name: str, run_dir: str, steps: list[dict[str, Any]], skip: in
 
 def what_ran(run_dir: str) -> dict[str, Any]:
     """Stage and offload from the run's resolved ds_config.json, and its memory plan when a budget chose them."""
-    from finetune.ds_config import offloads_optimizer, zero_stage
-
     with open(os.path.join(run_dir, "ds_config.json")) as f:
         ds = json.load(f)
     out = {"stage": zero_stage(ds), "offload": offloads_optimizer(ds), "plan": None}
@@ -143,9 +145,7 @@ def what_ran(run_dir: str) -> dict[str, Any]:
 
 def estimated_gib(run_dir: str, world: int) -> float | None:
     """finetune.memory.estimate's per-GPU total for the run's own resolved recipe.yaml and ds_config.json."""
-    from finetune.config import load_recipe
-    from finetune.memory.estimate import GIB, estimate_run
-    from finetune.model import check_model_dir
+    from finetune.model import check_model_dir  # lazy: it imports torch (see shared_init)
 
     recipe = load_recipe(os.path.join(run_dir, "recipe.yaml"))
     with open(os.path.join(run_dir, "ds_config.json")) as f:
@@ -206,18 +206,7 @@ def write_summary(out: str, runs: list[dict[str, Any]], meta: dict[str, Any]) ->
         f.write("\n".join(lines) + "\n")
 
 
-def _default_gpus() -> int:
-    import torch
-
-    return max(1, torch.cuda.device_count())
-
-
 def main(argv: list[str] | None = None) -> int:
-    from finetune import dist
-    from finetune.config import ConfigError
-    from finetune.commands.plot import plot_runs
-    from finetune.commands.plot import plot_throughput_memory
-
     args = parse_args(sys.argv[1:] if argv is None else argv)
     owned = [o for o in args.overrides if o.partition("=")[0] in OWNED]
     if owned:
@@ -234,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     if os.path.isdir(args.out) and os.listdir(args.out) and not args.overwrite:
         print(f"zerotune compare: error: --out {args.out!r} is not empty: choose a new folder or pass --overwrite", file=sys.stderr)
         return 2
-    gpus = args.gpus or _default_gpus()
+    local_gpus = dist.local_gpus()
+    cuda = bool(local_gpus)
+    gpus = args.gpus or max(1, len(local_gpus))
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     bf16 = any(_is_bf16(os.path.join(args.ds_dir, "zero3.json" if n.startswith("budget") else f"{n}.json")) for n in names)
     try:
@@ -242,9 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"zerotune compare: error: {e}", file=sys.stderr)
         return 2
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=shipped.IMPORT_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this machine: keep gloo's traffic on loopback
-    if not _has_cuda():
+    if not cuda:
         # CPU ranks each start one thread per core by default; oversubscribed, they measure contention, not the stage.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // gpus)))
 
@@ -255,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compare: {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
         with open(log, "w") as f:
             code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, check=False).returncode
-        metrics = os.path.join(run_dir, "metrics.jsonl")
+        metrics = os.path.join(run_dir, METRICS_FILE)
         steps = load_steps(metrics) if os.path.isfile(metrics) else []
         if code != 0 or not steps:
             runs.append({"name": name, "run_dir": run_dir, "error": f"exit code {code}, see {log}", "losses": []})
@@ -275,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps <= args.skip_steps:
         notes.append(f"Only {args.steps} step(s), not more than --skip-steps {args.skip_steps}: "
                      f"throughput averages every step, warm-up included.")
-    if not _has_cuda():
+    if not cuda:
         notes.append("On CPU, peak memory is each process's peak resident memory (Python, torch, data included), "
                      "so it is not comparable with the estimate, which counts accelerator memory only; MFU needs a known GPU.")
     notes.append("Estimated: finetune/memory/estimate.py for each run's resolved recipe.yaml and ds_config.json "
@@ -289,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         plots["loss_curves.png"] = [d["run_dir"] for d in drawn]
     meta = {"config": args.config or "recipes/mistral7b_lora.yaml", "overrides": args.overrides, "steps": args.steps,
             "skip_steps": args.skip_steps if args.steps > args.skip_steps else 0, "gpus": gpus, "tolerance": tolerance,
-            "ranks": "GPUs" if _has_cuda() else "CPU processes",
+            "ranks": "GPUs" if cuda else "CPU processes",
             "reference": next((r["name"] for r in runs if not r.get("error")), None),
             "init_model": init[0].partition("=")[2] if init else None, "notes": notes,
             "plots": {k: {"runs": v} for k, v in plots.items()}}
@@ -307,12 +298,6 @@ def _is_bf16(path: str) -> bool:
     with open(path) as f:
         ds = json.load(f)
     return ds.get("bf16", {}).get("enabled") is True or ds.get("torch_autocast", {}).get("enabled") is True
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """`zerotune estimate`: the per-GPU memory table of every shipped DeepSpeed configuration for a recipe, and the
 fastest that fits (the arithmetic is finetune/memory/estimate.py).
 
-    zerotune estimate --config recipes/mistral7b_lora.yaml --deepspeed ds_configs/zero3.json --gpus 2 --gpu-memory-gib 141
+    zerotune estimate --config mistral7b_lora --deepspeed zero3 --gpus 2 --gpu-memory-gib 141
+
+It needs no weights, only the model's config.json: without one at model.path, the shipped Mistral-7B shape.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import os
 import sys
 from typing import Any
 
+from finetune import shipped
 from finetune.memory.estimate import FIT_FRACTION, GIB, SHIPPED, SPEED_ORDER, display_path, estimate_run, shipped_dir
+
+MISTRAL_SHAPE = os.path.join("recipes", "mistral7b_shape", "config.json")  # under shipped.ROOT
 
 
 def config_files(deepspeed: str) -> list[str]:
@@ -68,6 +73,21 @@ def format_table(rows: list[dict[str, Any]], chosen: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def model_shape(model_cfg) -> tuple[dict[str, Any], str]:
+    """(config, where it came from): model.path's config.json, or where it has none (weights not downloaded yet), the
+    shipped Mistral-7B shape, saying so on stderr: an estimate needs the shape, not the weights."""
+    path = os.path.join(model_cfg.path, "config.json")
+    if os.path.isfile(path):
+        shown = model_cfg.path
+    else:
+        path = os.path.join(shipped.ROOT, MISTRAL_SHAPE)
+        shown = display_path(path)
+        print(f"model.path {model_cfg.path!r} has no config.json (an estimate needs no weights): using the shipped "
+              f"Mistral-7B shape, {shown}", file=sys.stderr)
+    with open(path) as f:
+        return json.load(f), shown
+
+
 def _local_gpus() -> tuple[int, float | None]:
     """(GPUs on this machine, or 1; bytes of memory of the first, or None without a GPU)."""
     import torch
@@ -86,12 +106,13 @@ def _local_cpu_memory() -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     from finetune.config import ConfigError, load_recipe
-    from finetune.ds_config import resolve_ds_config
-    from finetune.model import check_model_dir
+    from finetune.ds_config import ds_json_path, resolve_ds_config
 
     p = argparse.ArgumentParser(prog="zerotune estimate", description="Per-GPU memory of every ZeRO stage, and the fastest that fits.")
-    p.add_argument("--config", metavar="PATH", default=None, help="YAML recipe (default recipes/mistral7b_lora.yaml)")
-    p.add_argument("--deepspeed", metavar="PATH", default="ds_configs/zero3.json", help="precision and buckets; its row is marked *")
+    p.add_argument("--config", metavar="PATH", default=None,
+                   help="YAML recipe or a shipped name such as mistral7b_full (default mistral7b_lora)")
+    p.add_argument("--deepspeed", metavar="PATH", default="ds_configs/zero3.json",
+                   help="DeepSpeed JSON or a shipped name such as zero3: precision and buckets; its row is marked *")
     p.add_argument("--gpus", type=int, default=None, help="GPUs per node (default: this machine's, or 1)")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpu-memory-gib", type=float, default=None, help="memory of one GPU (default: this machine's GPU)")
@@ -114,11 +135,12 @@ def main(argv: list[str] | None = None) -> int:
             print("model.activation_checkpointing=auto: the table assumes full; a run on a GPU picks the least "
                   "recomputation that fits it (see memory_plan.json, or pass --gpu-memory-gib to a run as "
                   "train.gpu_memory_gib)", file=sys.stderr)
-        model_config = check_model_dir(recipe.model)
+        model_config, model = model_shape(recipe.model)
+        deepspeed = ds_json_path(args.deepspeed)
         configs = {path: resolve_ds_config(path, recipe, gpus * args.nodes, model_config["hidden_size"],
                                            recipe_path=args.config or "recipes/mistral7b_lora.yaml",
                                            vocab_size=model_config["vocab_size"])
-                   for path in config_files(args.deepspeed)}
+                   for path in config_files(deepspeed)}
         rows = estimate_table(model_config, recipe, configs, gpus, args.nodes, gpu_memory, cpu_memory)
     except (ConfigError, ValueError) as e:
         print(f"zerotune estimate: error: {e}", file=sys.stderr)
@@ -128,13 +150,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     r, first = recipe, rows[0]
     kind = (f"LoRA r{r.lora.rank} on {','.join(r.lora.target_modules)}" if r.lora.enabled else "full fine-tuning")
-    print(f"model: {r.model.path} ({first['parameters']:,} parameters; {kind}: {first['trained_parameters']:,} trained)")
+    print(f"model: {model} ({first['parameters']:,} parameters; {kind}: {first['trained_parameters']:,} trained)")
     print(f"per GPU: micro-batch {r.train.micro_batch_size} x {r.data.max_seq_len} tokens, activation checkpointing "
           f"{r.model.activation_checkpointing}, {r.model.attn_implementation}; {gpus} GPU(s) x {args.nodes} node(s)")
     print(f"GPU memory {gpu_memory / GIB:.1f} GiB: a configuration fits when its peak is <= {FIT_FRACTION:.0%} of it. "
           f"GiB per GPU; peak = the larger of backward (weights + grads + optimizer + activations + buffers) and the "
           f"optimizer step (weights + optimizer + buffers + grads at step); * = {args.deepspeed}\n")
-    print(format_table(rows, args.deepspeed))
+    print(format_table(rows, deepspeed))
     print("\n" + recommend(rows))
     return 0
 

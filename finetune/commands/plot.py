@@ -16,6 +16,8 @@ import os
 import sys
 from typing import Any
 
+from finetune.metrics import METRICS_FILE, MetricsError, read_metrics
+
 # (panel title, y label, series drawn in it: (metrics key, line style, legend suffix))
 PANELS = [
     ("loss", "loss", [("loss", "-", ""), ("eval_loss", "o--", " eval")]),
@@ -31,22 +33,19 @@ class PlotError(ValueError):
 
 def load_run(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     """{metrics key: [(step, value), ...]} from run_dir/metrics.jsonl; None values (e.g. MFU on CPU) are skipped."""
-    path = os.path.join(run_dir, "metrics.jsonl")
+    path = os.path.join(run_dir, METRICS_FILE)
     if not os.path.isfile(path):
-        what = "does not exist" if not os.path.exists(run_dir) else "has no metrics.jsonl"
+        what = "does not exist" if not os.path.exists(run_dir) else f"has no {METRICS_FILE}"
         raise PlotError(f"{run_dir!r} {what}: give run folders written by training (train.output_dir)")
+    try:
+        records = read_metrics(path)
+    except MetricsError as e:
+        raise PlotError(str(e)) from None
     series: dict[str, list[tuple[int, float]]] = {}
-    with open(path) as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                raise PlotError(f"{path}:{n}: not a JSON line") from None
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    series.setdefault(key, []).append((record["step"], value))
+    for record in records:
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)):
+                series.setdefault(key, []).append((record["step"], value))
     if "loss" not in series:
         raise PlotError(f"{path} has no step records yet: plot it once training has logged a step")
     return series
@@ -62,15 +61,21 @@ def labels(run_dirs: list[str]) -> list[str]:
     return list(run_dirs)  # the same folder given twice
 
 
-def build_figure(run_dirs: list[str]):
-    """The 4-panel figure and, per run, its label and the number of points drawn per series."""
+def _pyplot():
+    """matplotlib.pyplot drawing to files only (training machines have no display)."""
     try:
-        import matplotlib
+        import matplotlib  # lazy: an optional dependency (the `plot` extra), needed only to draw
 
-        matplotlib.use("Agg")  # files only: training machines have no display
+        matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise PlotError("zerotune plot needs matplotlib: `pip install matplotlib`") from None
+        raise PlotError("drawing plots needs matplotlib: `pip install matplotlib`") from None
+    return plt
+
+
+def build_figure(run_dirs: list[str]):
+    """The 4-panel figure and, per run, its label and the number of points drawn per series."""
+    plt = _pyplot()
     runs = [load_run(d) for d in run_dirs]
     fig, axes = plt.subplots(2, 2, figsize=(12, 7.5))
     drawn = []
@@ -103,20 +108,8 @@ def plot_runs(run_dirs: list[str], out: str) -> list[dict[str, Any]]:
     fig, drawn = build_figure(run_dirs)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=100, metadata={"Title": "zerotune training curves", "Source": json.dumps(drawn)})
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
+    _pyplot().close(fig)
     return drawn
-
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on training machines
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _save(fig, path: str, runs: list[dict[str, Any]], title: str) -> list[str]:
@@ -128,7 +121,8 @@ def _save(fig, path: str, runs: list[dict[str, Any]], title: str) -> list[str]:
 
 
 def plot_throughput_memory(runs: list[dict[str, Any]], path: str) -> list[str]:
-    """Bars of tokens/s per GPU, and of peak memory (measured allocated, reserved, estimated) per run; returns the sources."""
+    """Bars of tokens/s per GPU, and of peak memory (allocated and reserved as recorded, and estimated) per run;
+    returns the sources."""
     plt = _pyplot()
     ok = [r for r in runs if r.get("tokens_per_s_per_gpu") is not None]
     names = [r["name"] for r in ok]

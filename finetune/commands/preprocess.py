@@ -6,16 +6,19 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
 
 from finetune.config import ConfigError, load_recipe
+from finetune.data import build_datasets
+from finetune.data.tokenizer import load_tokenizer
 
 
 def pack_fill(data, capacity: int, packing: bool) -> tuple[int, float]:
     """(rows, fraction of row capacity holding real tokens) for one epoch."""
-    from finetune.data.loader import epoch_rows
+    from finetune.data.loader import epoch_rows  # lazy: the loader imports torch; `--help` and errors do without
 
     rows = epoch_rows(data, capacity, packing, shuffle=False, seed=0, epoch=0)
     width = capacity if packing else max(int(n) for n in data.lengths)
@@ -24,8 +27,6 @@ def pack_fill(data, capacity: int, packing: bool) -> tuple[int, float]:
 
 def show_sample(data, index: int, tokenizer) -> str:
     """A sample's text with the trained tokens in [[double brackets]] (</s> marks a trained EOS)."""
-    import itertools
-
     ids, labels = data.sample(index)
     out = []
     pairs = zip(ids.tolist(), labels.tolist())
@@ -46,9 +47,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = p.parse_args(argv)
     try:
-        from finetune.data import build_datasets
-        from finetune.data.tokenizer import load_tokenizer
-
         recipe = load_recipe(args.config, args.overrides)
         tokenizer = load_tokenizer(recipe.model.tokenizer or recipe.model.path)
         cache_dir = args.cache_dir or os.path.join(recipe.train.output_dir, ".cache")

@@ -13,6 +13,7 @@ import hashlib
 import inspect
 import itertools
 import json
+import multiprocessing
 import os
 import pickle
 import time
@@ -136,8 +137,6 @@ def _pool_map(encoder: _ChunkEncoder, chunks: Iterator[list], num_proc: int) -> 
     thread pool, none of which survive a fork safely. At most 2 x num_proc chunks are in flight, so a large
     file is never read into memory ahead of the workers.
     """
-    import multiprocessing
-
     with multiprocessing.get_context("spawn").Pool(num_proc, initializer=_init_worker, initargs=(encoder,)) as pool:
         pending: deque = deque()
         for chunk in chunks:

@@ -1,6 +1,6 @@
 """Read records from local files: JSON/JSONL (with line numbers in errors), Parquet/CSV/Arrow and `save_to_disk` folders.
 
-    for where, record in read_records("data/train.jsonl"): ...
+    for where, raw in read_raw("data/train.jsonl"): record = parse_raw(where, raw)
     sources = parse_mix(["extra.jsonl:0.5", "chat.jsonl:2:messages"], default_format="alpaca")
 
 Our own JSON reader names the file and line of a malformed record; the other formats go through `datasets`.
@@ -9,6 +9,7 @@ JSONL lines are handed out unparsed by `read_raw`, so tokenizer workers parse th
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -58,14 +59,9 @@ def parse_mix(entries: list[str], default_format: str) -> list[Source]:
     return sources
 
 
-def read_records(path: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Yield (where, record) pairs; `where` names the file and line or row for error messages."""
-    for where, raw in read_raw(path):
-        yield where, parse_raw(where, raw)
-
-
 def read_raw(path: str) -> Iterator[tuple[str, str | dict[str, Any]]]:
-    """Yield (where, raw): a JSONL line's text still to parse with `parse_raw`, or an already-read record."""
+    """Yield (where, raw): a JSONL line's text still to parse with `parse_raw`, or an already-read record; `where`
+    names the file and line or row for error messages."""
     if not os.path.exists(path):
         raise ConfigError(f"data file {path!r} not found: set data.path (or data.eval_path) to a local file or folder")
     if os.path.isdir(path):
@@ -117,7 +113,7 @@ def _read_json(path: str) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def _read_with_datasets(path: str, builder: str | None) -> Iterator[tuple[str, dict[str, Any]]]:
-    import datasets
+    import datasets  # lazy: slow to import (pyarrow, pandas); JSON sources and the tokenizer workers never need it
 
     if builder is None:
         ds = datasets.load_from_disk(path)
@@ -133,8 +129,6 @@ def _read_with_datasets(path: str, builder: str | None) -> Iterator[tuple[str, d
 
 def file_fingerprint(path: str) -> str:
     """Content hash of a data file or folder, for cache keys: a changed file rebuilds the cache."""
-    import hashlib
-
     h = hashlib.sha256()
     files = [path] if os.path.isfile(path) else sorted(
         os.path.join(root, name) for root, _, names in os.walk(path) for name in names

@@ -94,7 +94,7 @@ def _from_sentencepiece(model_file: str, path: str) -> Tokenizer:
 
 
 def _from_hf(folder: str) -> Tokenizer:
-    from transformers import AutoTokenizer  # slow import; only the fallback pays for it
+    from transformers import AutoTokenizer  # lazy: it imports torch; the sentencepiece path stays without it
 
     hf = AutoTokenizer.from_pretrained(folder)
     if hf.bos_token_id is None or hf.eos_token_id is None:

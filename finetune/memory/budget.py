@@ -2,22 +2,21 @@
 configuration, chosen from the memory estimator before any model exists; and the host-memory check for offloading.
 
     deepspeed --num_gpus 2 finetune/main.py --deepspeed auto --config recipes/mistral7b_full.yaml train.gpu_memory_gib=24
-    memory plan (24 GiB per GPU, fits at <= 90%): ds_configs/zero2_offload.json, activation checkpointing full, ...
+    # prints "memory plan (...)": the budget, the DeepSpeed file, checkpointing, micro-batch, the estimated peak
 
 The rules, fastest first:
 1. configurations in estimate.SPEED_ORDER (with `--deepspeed PATH`, only that one);
 2. micro-batches divide the recipe's rows per GPU per step (micro_batch_size x grad_accum), so the batch per step, the
    data order and the loss curve stay the recipe's; grad_accum takes the rest;
 3. ZeRO-0/1/2 on the GPU: the least recomputation (none, selective, full) at a micro-batch of 2 or more, the largest
-   first; micro-batch 1 only when nothing larger fits. Measured on one H200 (Mistral-7B LoRA, ZeRO-2, 2,048-token
-   rows): no recomputation at micro-batch 1 ran 7.1K tok/s/GPU, at micro-batch 2 10.7K, full recomputation at 4 7.7K.
+   first; micro-batch 1 only when nothing larger fits: its GEMMs are too small to keep a GPU busy, so it runs slower
+   even than full recomputation at a larger micro-batch (docs/benchmarks/2026-11-30-h200-budget.md).
    Least recomputation: none, then selective with 1, 2, ... layers recomputed (model.recompute_layers, unless the
-   recipe fixes it), then full. Each recomputed layer costs its forward GEMMs again: full ZeRO-3 on 2xH200 ran 10.5K
-   tok/s/GPU recomputing 16 of 32 layers at micro-batch 8, 11.3K recomputing the 4 that the plan needs.
+   recipe fixes it), then full. Each recomputed layer costs its forward GEMMs again, so the fewest that fit is the
+   fastest (docs/benchmarks/2026-11-30-2xh200-vs-peer.md, call rc1).
 4. ZeRO-3 and offloading pay per micro-batch (weight gathers; the CPU optimizer step is fixed per step while the GPU
-   work shrinks): the largest micro-batch first, then the least recomputation. Measured on 2xH200, full fine-tune:
-   ZeRO-3 with selective recomputation at micro-batch 2 ran 3.3K tok/s/GPU, with full recomputation at 4 6.2K;
-   ZeRO-2 + offload 1.9K at (selective, 2), 2.3K at (full, 4).
+   work shrinks): the largest micro-batch first, then the least recomputation; full recomputation at a larger
+   micro-batch runs faster there than selective at a smaller one (docs/benchmarks/2026-11-30-h200-budget.md).
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from finetune import dist
 from finetune.config import ConfigError, Recipe
 from finetune.ds_config import load_ds_json, offloads_optimizer, resolve_ds_config, zero_stage
 from finetune.memory.estimate import (FIT_FRACTION, GIB, SHIPPED, SPEED_ORDER, display_path, estimate_run, recomputed_layers,
@@ -65,8 +65,6 @@ def fit(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, world: int
     """With train.gpu_memory_gib, --deepspeed auto or model.activation_checkpointing=auto on a GPU (whose memory is
     then the budget): the recipe and DeepSpeed file the memory plan chose, and the plan (printed on rank 0); otherwise
     the inputs unchanged (auto checkpointing without a GPU: none) and None."""
-    from finetune import dist
-
     gib = recipe.train.gpu_memory_gib
     auto_checkpointing = recipe.model.activation_checkpointing == "auto"
     if gib is None and (deepspeed == "auto" or auto_checkpointing):
@@ -94,8 +92,6 @@ def fit(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, world: int
 
 def check_offload_fits_host(recipe: Recipe, model_config: dict[str, Any], ds: dict[str, Any], world: int) -> None:
     """Refuse an offloading run whose states cannot fit the node's RAM; warn (rank 0) when they exceed what is free."""
-    from finetune import dist
-
     if not offloads_optimizer(ds):
         return
     try:
@@ -195,8 +191,8 @@ def describe_checkpointing(checkpointing: str, recompute_layers: int | None, lay
 def check_host_memory(row: dict[str, Any], ranks_per_node: int, total: float | None,
                       available: float | None) -> str | None:
     """Offloaded states live in the node's RAM (pinned): refuse when they exceed its `total` bytes, warn (the returned
-    text) when they exceed what is `available` now. A full 7B fine-tune on 2 GPUs offloads ~108 GiB per node (fp32
-    master, Adam moments, fp32 gradients)."""
+    text) when they exceed what is `available` now. A full fine-tune offloads 16 bytes per parameter, shared by all
+    ranks (fp32 master, Adam's two moments, fp32 gradients): all of it on one node when every rank is there."""
     needed = row["cpu"] * ranks_per_node
     if needed == 0 or total is None:
         return None
@@ -247,17 +243,14 @@ def ranks_per_node(world: int) -> int:
 
 def local_gpu_gib() -> float | None:
     """Memory of this rank's GPU in GiB, or None on a machine without CUDA."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-    return torch.cuda.get_device_properties(index).total_memory / GIB
+    gpus = dist.local_gpus()
+    return gpus[dist.local_rank() % len(gpus)] / GIB if gpus else None
 
 
 def enforce(budget_gib: float) -> float | None:
-    """Cap this process's CUDA caching allocator at the budget, so a 24 GB card can be simulated on an H200. Returns
-    the fraction set, or None (no CUDA, or the budget is the whole GPU or more)."""
+    """Cap this process's CUDA caching allocator at the budget, so a smaller card can be simulated on a larger one.
+    Returns the fraction set, or None (no CUDA, or the budget is the whole GPU or more)."""
+    import deepspeed  # lazy: `zerotune compare` imports this module; planning needs no torch
     import torch
 
     if not torch.cuda.is_available():
@@ -269,10 +262,9 @@ def enforce(budget_gib: float) -> float | None:
         return None
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     # DeepSpeed sizes some steps by the card's free memory (ZeRO-1/2 flatten the 16-bit weights on the GPU when it
-    # sees room for a second copy, else on the CPU). Measured: under the cap alone it saw 125 GiB free and ran out of
-    # the 24 GiB budget there, which a real 24 GB card would not. Show it the card it simulates.
-    import deepspeed
-
+    # sees room for a second copy, else on the CPU). Under the cap alone it saw the whole card's free memory and ran
+    # out of the budget there, which a real card of that size would not (docs/benchmarks/2026-11-30-h200-budget.md).
+    # Show it the card it simulates.
     accelerator, cap = deepspeed.get_accelerator(), int(budget_gib * GIB)
     free_on_card = accelerator.available_memory
     accelerator.total_memory = lambda device_index=None: cap

@@ -15,12 +15,14 @@ import dataclasses
 import os
 from typing import Any
 
+from finetune import shipped
+
 GIB = 2**30
 # The shipped DeepSpeed JSONs by (stage, offload optimizer, offload parameters), fastest first. ZeRO-2 reduces bf16
 # gradients in buckets overlapped with backward; ZeRO-1 reduces the same bytes after backward; zerotune's ZeRO-0
-# all-reduces fp32 gradients (autocast keeps fp32 weights), twice the bytes; ZeRO-3 adds weight all-gathers. Measured
-# with `zerotune compare`, Mistral-7B on 2xH200, tok/s/GPU full | LoRA: ZeRO-2 7,536 | 8,223, ZeRO-1 7,543 | 8,266,
-# ZeRO-0 6,461 | 6,422, ZeRO-3 6,199 | 2,996. Offloading runs Adam on the CPU over the whole partition every step
+# all-reduces fp32 gradients (autocast keeps fp32 weights), twice the bytes; ZeRO-3 adds weight all-gathers.
+# `zerotune compare` ran Mistral-7B's shape in this order, ZeRO-1 and ZeRO-2 within noise of each other
+# (docs/benchmarks/2026-11-30-2xh200-compare.md). Offloading runs Adam on the CPU over the whole partition every step
 # (seconds for a 7B model); offloading the parameters too adds their CPU->GPU copies to every forward and backward.
 # zero3_nvme.json is not here: it needs a disk (train.nvme_path) and is the slowest; estimate it with --deepspeed.
 SHIPPED = {
@@ -71,6 +73,7 @@ def _lora(lora_cfg: Any) -> dict[str, Any] | None:
     targets = list(d.get("target_modules") or [])
     if not targets or not set(targets) <= set(LORA_TARGETS):
         raise ValueError(f"lora.target_modules {targets!r}: the estimator knows {', '.join(LORA_TARGETS)}")
+    # lazy: finetune.perf imports torch, which `zerotune estimate` and `compare` otherwise do without
     import torch
 
     from finetune.perf.lora_dropout import uses_kernels
@@ -102,8 +105,8 @@ def estimate_model_states(config_dict: dict[str, Any], lora_cfg: Any, stage: int
 
     dtype_bytes is the weights' width: 2 for bf16; 4 for fp32 (zerotune's ZeRO-0, whose bf16 is torch autocast).
     adapter_dtype_bytes is the LoRA adapters' width when it differs (fp32 under ZeRO-3, see adapter_bytes).
-    Under ZeRO-1/2/3 DeepSpeed keeps a separate fp32 master partition even for fp32 weights (measured); plain data
-    parallelism (ZeRO-0) steps fp32 weights in place.
+    Under ZeRO-1/2/3 DeepSpeed keeps a separate fp32 master partition even for fp32 weights (its ZeRO optimizers
+    always build one); plain data parallelism (ZeRO-0) steps fp32 weights in place.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -248,7 +251,7 @@ def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: in
     final_norm = 4 * h + 4 + (2 * d * h if lm_head_trained and not fused_loss else 0)
     ids = 8 if lora is None else 0  # the embedding's backward needs the token ids
     if fused_loss:
-        from finetune.perf.fused_loss import CHUNK_ROWS
+        from finetune.perf.fused_loss import CHUNK_ROWS  # lazy: that module imports torch (see _lora)
 
         head = vocab * h if lm_head_trained else 0
         loss_saved = tokens * d * h + d * head  # the head's input and weight gradients
@@ -331,18 +334,18 @@ def estimate_run(model_config: dict[str, Any], recipe, ds: dict[str, Any], world
 
 def uses_liger(kernels: str) -> bool:
     """Whether a run with this model.kernels uses liger's modules: `auto` only where they can run (CUDA + installed)."""
-    from finetune.perf import liger as fused_kernels
+    from finetune.perf import liger as fused_kernels  # lazy: finetune.perf imports torch (see _lora)
 
     return kernels == "liger" or (kernels == "auto" and fused_kernels.available() is None)
 
 
 def init_transients(states: dict[str, int], stage: int, world: int, trained_bytes: int, offload: bool) -> tuple[int, int]:
-    """(GPU bytes at the engine's start, extra CPU bytes then), measured on one H200 with a full 7B fine-tune.
+    """(GPU bytes at the engine's start, extra CPU bytes then): what deepspeed.initialize holds for a moment.
 
     ZeRO-1/2 clone the 16-bit partition on the GPU before casting it to the fp32 master: with offload, the weights
-    plus that clone are the GPU's peak (27 GiB on one GPU, out of a 24 GiB budget). Offloading also builds the fp32
-    master in ordinary memory before copying it into pinned memory: 4 more bytes per trained parameter for a moment
-    (a 1-GPU, 128 GB host was killed there).
+    plus that clone are the GPU's peak (twice the 16-bit weights, on one GPU). Offloading also builds the fp32
+    master in ordinary memory before copying it into pinned memory: 4 more bytes per trained parameter for a moment.
+    A full 7B fine-tune died at each of them (docs/benchmarks/2026-11-30-h200-budget.md).
     """
     partition = -(-states["trained_parameters"] // max(1, world))
     gpu = 0
@@ -361,11 +364,11 @@ def config_label(stage: int, offload_optimizer: bool, offload_params: bool, zero
 
 def step_gradients(states: dict[str, int], stage: int, world: int, trained_bytes: int, offload: bool,
                    sub_group_size: int) -> int:
-    """Gradient bytes on the GPU during DeepSpeed's optimizer step (measured on 2xH200, Mistral-7B full).
+    """Gradient bytes on the GPU during DeepSpeed's optimizer step.
 
     ZeRO-1/2 flatten the 16-bit gradient partition and cast it to fp32 for the step: partition, flat copy and fp32
-    copy (a full 7B fine-tune on 2 GPUs peaks here, at 81.5 GiB, not in backward). ZeRO-3 does the same one
-    sub-group (sub_group_size elements) at a time; ZeRO-0's torch AdamW steps the fp32 gradients in place.
+    copy (a full fine-tune peaks here, not in backward: docs/benchmarks/2026-11-30-2xh200-compare.md). ZeRO-3 does
+    the same one sub-group (sub_group_size elements) at a time; ZeRO-0's torch AdamW steps the fp32 gradients in place.
     """
     partition = -(-states["trained_parameters"] // max(1, world))
     if offload:  # the fp32 partition is on the CPU
@@ -378,10 +381,14 @@ def step_gradients(states: dict[str, int], stage: int, world: int, trained_bytes
 
 
 def shipped_dir() -> str:
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ds_configs")
+    """The folder of the shipped DeepSpeed JSONs (finetune/shipped.py finds it in a checkout or an install)."""
+    return os.path.join(shipped.ROOT, "ds_configs")
 
 
 def display_path(path: str) -> str:
-    """A path relative to the working directory when it lies below it."""
+    """A path relative to the working directory when it lies below it; else a shipped file as ds_configs/<name>.json,
+    which --deepspeed finds from any folder; else the absolute path."""
     rel = os.path.relpath(os.path.abspath(path))
-    return os.path.abspath(path) if rel.startswith("..") else rel
+    if not rel.startswith(".."):
+        return rel
+    return shipped.shipped_name(path) or os.path.abspath(path)

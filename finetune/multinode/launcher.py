@@ -26,13 +26,15 @@ from finetune.multinode.hostfile import (
     load_hostfile,
     slurm_hosts,
 )
+from finetune import shipped
+from finetune.config import ConfigError, load_recipe
 from finetune.dist import free_port
 from finetune.multinode.jobwatch import run_job, span
 from finetune.multinode.plan import LaunchPlan
 from finetune.multinode.preflight import Transport, run_preflight
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_SCRIPT = os.path.join(REPO, "finetune", "main.py")
+REPO = shipped.IMPORT_ROOT  # the folder holding this `finetune` package: the checkout, or site-packages
+DEFAULT_SCRIPT = os.path.join(shipped.PACKAGE, "main.py")
 ENV_FILE = os.environ.get("DS_ENV_FILE", ".deepspeed_env")  # the name DeepSpeed's runner reads in the CWD
 FORWARD_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_", "FI_", "UCX_", "HF_", "WANDB_", "ZEROTUNE_", "TRITON_", "OMP_")
 FORWARD_NAMES = (
@@ -215,8 +217,6 @@ def output_dir_of(train_args: list[str]) -> str:
     config = next((a.partition("=")[2] for a in train_args if a.startswith("--config=")), None)
     if "--config" in train_args[:-1]:
         config = train_args[train_args.index("--config") + 1]
-    from finetune.config import ConfigError, load_recipe
-
     try:
         return load_recipe(config, overrides).train.output_dir
     except ConfigError as e:

@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
+from finetune import shipped
+
 PROBE_TIMEOUT_S = 10.0
 SSH_OPTIONS = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=5"]
 _TAG = "ZEROTUNE_PREFLIGHT "
@@ -163,7 +165,7 @@ def run_preflight(
     """
     start = time.monotonic()
     cwd = cwd or os.getcwd()
-    repo = repo or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = repo or shipped.IMPORT_ROOT
     names = list(hosts)
     marker = os.path.join(output_dir, f".zerotune-preflight-{uuid.uuid4().hex[:12]}")
 

@@ -1,1 +1,103 @@
-"""Speed-ups: fused kernels and patches, each behind its own recipe switch (see finetune/perf/README.md)."""
+"""Every speed-up of a run, each behind its own recipe switch, applied only here (finetune/perf/README.md).
+
+    applied = perf.apply(model, recipe, ds_config)     # after build_model, before deepspeed.initialize
+    applied += perf.apply_engine(engine, recipe)       # after deepspeed.initialize
+    perf.report(recipe, applied)                       # one record per speed-up: RUN/speedups.json
+
+A speed-up changes only the model (or engine) it is given: modules' classes are swapped for subclasses, forwards
+bound to instances, an optimizer method replaced on the instance. No library's module or class is patched, so a
+second model built in the same process (export, chat, a test) is transformers' own.
+
+apply's order, and why:
+  1. liger        RMSNorm, SwiGLU and RoPE kernels in the model's modules (the MLPs' forward included);
+  2. fused_lora   peft's LoRA layers swapped for the fused class (with lora_dropout_kernel: its Triton dropout);
+  3. fused_mlp    after LoRA, which decides whether down_proj is still a plain linear layer (an adapted one keeps its
+                  path); it replaces the MLP forward liger set, and uses liger's SwiGLU product when liger is on;
+  4. fused_loss   the output layer; independent of the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from finetune.config import Recipe
+from finetune.ds_config import zero_stage
+from finetune.perf import liger, lora_dropout
+from finetune.perf.fused_lora import install_fused_lora
+from finetune.perf.fused_loss import install_fused_loss
+from finetune.perf.fused_mlp import install_fused_mlp
+from finetune.perf.overflow_check import install_overflow_check
+
+
+@dataclass(frozen=True)
+class SpeedUp:
+    name: str
+    switch: str
+    """The recipe key that turns it on or off."""
+    off: Any
+    """The switch's value that turns it off."""
+    description: str
+    engine: bool = False
+    """Applied to the DeepSpeed engine (apply_engine) rather than to the model (apply)."""
+
+
+SPEEDUPS = (
+    SpeedUp("liger", "model.kernels", "none", "liger-kernel's Triton RMSNorm, SwiGLU and RoPE (CUDA)"),
+    SpeedUp("fused_lora", "lora.fused", False,
+            "each LoRA projection as one autograd function, base GEMM and adapter together"),
+    SpeedUp("lora_dropout_kernel", "lora.dropout_kernel", "torch",
+            "fused LoRA's dropout masks drawn from a seed inside Triton kernels, none kept (CUDA)"),
+    SpeedUp("fused_mlp", "model.fused_mlp", False,
+            "SwiGLU product and down projection in one function that keeps no product"),
+    SpeedUp("fused_loss", "model.fused_loss", False,
+            "output layer and loss a chunk of rows at a time, logits never whole"),
+    SpeedUp("overflow_check", "optim.overflow_check", "deepspeed",
+            "bf16 ZeRO-1/2 find a non-finite gradient by its norm alone, without DeepSpeed's per-tensor test", True),
+)
+"""Every speed-up, in the order apply and apply_engine apply them."""
+
+NAMES = tuple(s.name for s in SPEEDUPS)
+
+
+def apply(model, recipe: Recipe, ds_config: dict[str, Any]) -> list[str]:
+    """Apply every model speed-up whose switch is on and which can run here, in SPEEDUPS' order; the names applied.
+    Call it after build_model (LoRA in place) and before deepspeed.initialize, which registers ZeRO-3's hooks."""
+    m, lora, stage = recipe.model, recipe.lora, zero_stage(ds_config)
+    liger.check(m.kernels)  # an explicit `liger` that cannot run is an error, not a silent fallback
+    lora_dropout.check(lora)
+    applied = []
+    if m.kernels != "none" and liger.available() is None and liger.install(model):
+        applied.append("liger")
+    if lora.enabled and lora.fused and install_fused_lora(model, stage, lora.dropout_kernel):
+        applied.append("fused_lora")
+        if lora.dropout > 0 and lora_dropout.uses_kernels(lora.dropout_kernel):
+            applied.append("lora_dropout_kernel")
+    if m.fused_mlp and install_fused_mlp(model, stage, liger="liger" in applied):
+        applied.append("fused_mlp")
+    if m.fused_loss:
+        install_fused_loss(model)
+        applied.append("fused_loss")
+    return applied
+
+
+def apply_engine(engine, recipe: Recipe) -> list[str]:
+    """Apply the engine speed-ups whose switch is on and which apply to this engine; the names applied."""
+    return ["overflow_check"] if install_overflow_check(engine, recipe.optim.overflow_check) else []
+
+
+def report(recipe: Recipe, applied: list[str]) -> list[dict[str, Any]]:
+    """One record per known speed-up: its name, its recipe switch and whether this run applied it."""
+    unknown = sorted(set(applied) - set(NAMES))
+    if unknown:
+        raise ValueError(f"unknown speed-up(s) {unknown}: the known ones are {', '.join(NAMES)}")
+    for s in SPEEDUPS:
+        if s.name in applied and switch_value(recipe, s.switch) == s.off:
+            raise ValueError(f"{s.name} reported as applied while {s.switch}={s.off!r} turns it off")
+    return [{"name": s.name, "switch": s.switch, "on": s.name in applied} for s in SPEEDUPS]
+
+
+def switch_value(recipe: Recipe, switch: str) -> Any:
+    """The recipe's value of a switch key such as `model.fused_mlp`."""
+    section, key = switch.split(".")
+    return getattr(getattr(recipe, section), key)

@@ -1,6 +1,6 @@
 """Each LoRA-adapted projection as one autograd function: y = x·Wᵀ + s·(drop(x)·Aᵀ)·Bᵀ, chosen by lora.fused.
 
-    install_fused_lora(model, zero_stage)   # after get_peft_model, before deepspeed.initialize
+    install_fused_lora(model, zero_stage)   # by perf.apply: after get_peft_model, before deepspeed.initialize
 
 peft computes an adapted projection as `base(x) + lora_B(lora_A(dropout(x))) * scaling`: a dropout kernel writing a
 copy of x per adapter (which lora_A then keeps for backward), a scaling kernel and an add over the whole output, and in
@@ -9,7 +9,7 @@ the base GEMM's output by addmm (the scaling is its alpha), and in backward into
 for backward: x once (q, k and v share it), the bool dropout mask, and the r-wide x·Aᵀ; drop(x) is rebuilt from x and
 the mask when A's gradient needs it. With lora.dropout_kernel's Triton kernels (finetune/perf/lora_dropout.py, on CUDA) the
 mask is not kept either: each kernel that needs it draws it again from a seed, and reads x instead of a dropped copy
-(the default on CUDA). Mistral-7B LoRA on H200s: docs/benchmarks/vs_peer_2xh200.md.
+(the default on CUDA). Mistral-7B LoRA with it: docs/benchmarks/2026-11-30-2xh200-vs-peer.md.
 
 The class of each peft `lora.Linear` is swapped for a subclass, so parameter names, checkpoints, adapter export and
 merging are peft's. Anything the function does not cover (several active adapters, DoRA and other variants, merged or
@@ -138,7 +138,8 @@ def install_fused_lora(model: torch.nn.Module, zero_stage: int, dropout_kernel: 
         # layer's or the adapters' forward, so their parameters are registered to the adapted layer, whose hooks then
         # gather and release them, in forward and backward. (Not DeepSpeed's leaf modules: those reduce their
         # gradients in a full backward hook, which fires before this function's backward where the input needs no
-        # gradient, e.g. layer 0's q/k/v under LoRA: measured on 2xH200 as a crash at the first backward.)
+        # gradient, e.g. layer 0's q/k/v under LoRA: a GPU run with them crashed at the first backward, and
+        # tests/test_fused_lora.py's ZeRO-3 test fails with them.)
         from deepspeed.runtime.zero.partition_parameters import register_external_parameter
     layers = [m for m in model.modules() if type(m) is Linear]
     for layer in layers:

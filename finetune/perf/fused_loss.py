@@ -3,8 +3,9 @@
     install_fused_loss(model)                                          # by perf.apply
     with fused_loss(model, targets): token_sum = engine(...).logits   # the logits are never held whole
 
-A 7B model's logits are the largest activation of a step: vocabulary 32,000 x 2,048 tokens x 4 rows is 0.5 GB in
-bf16, and the loss copies them to fp32 and keeps an fp32 log-softmax for backward (2.6 GB per micro-batch of 4 rows).
+A 7B model's logits are the largest activation of a step: vocabulary x tokens values (32,000 x 2,048 x 4 for a
+micro-batch of 4 rows), 2 bytes each in bf16, and the loss copies them to fp32 and keeps an fp32 log-softmax for
+backward: 10 bytes per value in all.
 The fused path computes the output projection and the loss a chunk of rows at a time and its gradients in the same
 pass (as liger-kernel's fused linear cross-entropy does), so only one chunk's logits exist at any moment.
 
@@ -14,8 +15,8 @@ unchanged.
 
 On a CPU without native bf16 (AVX2-only: torch emulates bf16 GEMMs there) the head's bf16 GEMMs run in fp32 on
 upcast copies and are rounded to bf16 once, as a bf16 GEMM's fp32 accumulator is: the same values up to summation
-order. The output layer's input gradient (K = 32,000) took 15 s per 256 tokens emulated against 0.12 s in fp32 on
-such a machine, most of a tiny bf16 training step's time.
+order. Emulated, the output layer's input gradient (K = 32,000) took most of a tiny bf16 training step's time
+(docs/benchmarks/2026-12-01-cpu-bf16-emulation.md).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 CHUNK_ROWS = 1024
-"""Rows of logits computed at once: 1,024 x 32,000 fp32 is 131 MB."""
+"""Rows of logits computed at once: a chunk holds rows x vocabulary fp32 values, 4 bytes each."""
 
 
 def emulated_bf16(t: torch.Tensor) -> bool:
@@ -117,6 +118,9 @@ def install_fused_loss(model) -> None:
 def fused_loss(model, targets):
     """Within the block, the model's forward returns `.logits` = token_loss_sum(logits, targets)[0] (a scalar)."""
     head = model.get_output_embeddings()
+    if not isinstance(head, _LossHead):  # a plain head would return the logits where the caller expects the loss
+        raise RuntimeError(f"the model's output layer ({type(head).__name__}) computes no loss: apply the speed-ups "
+                           f"with finetune.perf.apply(model, recipe, ds_config) (model.fused_loss) before training")
     head.targets = targets
     try:
         yield

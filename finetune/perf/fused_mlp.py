@@ -1,15 +1,15 @@
 """The MLP's SwiGLU product and down projection as one autograd function that keeps gate and up only, chosen by
 model.fused_mlp.
 
-    install_fused_mlp(model, zero_stage, liger)   # after LoRA, before deepspeed.initialize
+    install_fused_mlp(model, zero_stage, liger)   # by perf.apply: after LoRA, before deepspeed.initialize
 
 Mistral's MLP is down(silu(gate(x)) · up(x)). Unfused, autograd keeps gate and up for the SwiGLU's backward and the
 product silu(gate)·up for the down projection's weight gradient: three [tokens, intermediate] tensors per layer with
-liger's SwiGLU (transformers' own MLP keeps silu(gate) too), 86 KB per token per layer for Mistral-7B, 62% of what a
-layer keeps. Here the product is rebuilt from gate and up in backward, one elementwise pass (by the same kernel as in
-forward, so the same bits), and never kept: 28 KB less per token per layer, 14 GiB at 8 rows of 2,048 tokens over 32
-layers. That is what lets a full Mistral-7B fine-tune on an H200 keep
-every layer's activations at 8 rows, where it recomputed layers before (finetune/memory/budget.py).
+liger's SwiGLU (transformers' own MLP keeps silu(gate) too), 3 x 14,336 bf16 values per token per layer for
+Mistral-7B, most of what a layer keeps. Here the product is rebuilt from gate and up in backward, one elementwise pass
+(by the same kernel as in forward, so the same bits), and never kept: 14,336 bf16 values less per token per layer,
+times tokens and layers. That is what lets a full Mistral-7B fine-tune on an H200 keep every layer's activations at 8
+rows, where it recomputed layers before (finetune/memory/budget.py; docs/benchmarks/2026-11-30-2xh200-vs-peer.md).
 
 Only an MLP whose down projection is a plain nn.Linear without bias is fused (a LoRA-adapted down_proj keeps peft's or
 finetune/perf/fused_lora.py's path); parameter names and checkpoints are unchanged. Under ZeRO-3 down_proj's weight is an

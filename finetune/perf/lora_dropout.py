@@ -6,22 +6,21 @@
                                               # grad_x += drop'(grad_low·A); grad_a = grad_lowᵀ·drop(x)  [r, in]
 
 The fused LoRA function (finetune/perf/fused_lora.py) with torch's dropout writes a bool mask per adapter in forward (kept
-for backward: 20 GiB for Mistral-7B at 8 rows of 2,048 tokens, all seven projections), a dropped copy of x for the
-rank-r GEMM, then in backward rebuilds that copy and masks the adapter's input gradient in separate passes. These
-kernels read x once per product, in forward and once in backward for both of its products, and draw the keep/drop
-decision of element (row, col) from Philox the same way in each (eight elements per draw:
-finetune/perf/_lora_dropout_triton.py), so nothing but the seed is kept. The seed comes from torch's generator on x's
-device, so activation checkpointing, which restores that generator before recomputing, redraws the same masks.
+for backward: a byte per input element, 6 x 4,096 + 14,336 per token per layer for Mistral-7B's seven projections),
+a dropped copy of x for the rank-r GEMM, then in backward rebuilds that copy and masks the adapter's input gradient
+in separate passes. These kernels read x once per product, in forward and once in backward for both of its
+products, and draw the keep/drop decision of element (row, col) from Philox the same way in each (eight elements per
+draw: finetune/perf/_lora_dropout_triton.py), so nothing but the seed is kept. The seed comes from torch's generator
+on x's device, so activation checkpointing, which restores that generator before recomputing, redraws the same masks.
 
 An element is dropped with probability p rounded to a multiple of 2⁻¹⁶ (drawn_p: 0.05 -> 0.0500031) and a kept one
 is scaled by 1/(1-that), as torch's dropout does; the masks are not torch's (another random stream), so runs with
 this kernel and with torch's dropout agree in distribution, not bit for bit. Triton needs CUDA; on CPU
 TRITON_INTERPRET=1 runs the same kernels (fp32) for tests/test_lora_dropout.py.
 
-Measured on one H200 (Mistral-7B LoRA r16, dropout 0.05, 8 rows of 2,048 tokens; docs/benchmarks/vs_peer_2xh200.md):
-ZeRO-2 trains at 15,430 tok/s against 14,284 and 14,624 with torch's dropout (before and after it), peak 83.0 GiB
-against 102.6. Dropout costs 40 ms a step over none against torch's 92 (benchmarks/lora_dropout_kernels.py). So
-lora.dropout_kernel=auto takes these kernels wherever they can run.
+Against torch's dropout these kernels train Mistral-7B LoRA faster and with less memory, and cost less time per step
+over no dropout (docs/benchmarks/2026-11-30-2xh200-vs-peer.md, calls ld1 and ld2; benchmarks/lora_dropout_kernels.py
+times the kernels alone). So lora.dropout_kernel=auto takes these kernels wherever they can run.
 """
 
 from __future__ import annotations
@@ -63,8 +62,8 @@ def available() -> str | None:
 
 
 def _auto_gpu() -> bool:
-    """The GPUs `auto` takes the kernels on: NVIDIA's, compute capability 8.0 or newer (bf16 tensor cores; measured on
-    an H200). Elsewhere (older cards, ROCm) `triton` still asks for them."""
+    """The GPUs `auto` takes the kernels on: NVIDIA's, compute capability 8.0 or newer (bf16 tensor cores; benchmarked
+    on an H200). Elsewhere (older cards, ROCm) `triton` still asks for them."""
     return torch.cuda.is_available() and torch.version.cuda is not None and torch.cuda.get_device_capability() >= (8, 0)
 
 

@@ -1,13 +1,13 @@
 """ZeRO-1/2 in bf16: find a step's non-finite gradient by the gradient norm alone (optim.overflow_check=norm).
 
-    install_overflow_check(engine, recipe.optim.overflow_check)   # after deepspeed.initialize
+    install_overflow_check(engine, recipe.optim.overflow_check)   # by perf.apply_engine, after deepspeed.initialize
 
 Before each step DeepSpeed's ZeRO-1/2 optimizer tests every gradient tensor for inf/NaN (reductions per tensor, then
 a host sync that waits for the whole backward), then computes the global gradient norm and, with
 bf16.check_grad_overflow on (its default), skips the step when that norm is not finite. A norm is non-finite whenever
 any gradient element is, so the first test adds only its cost: while the host waits on it and then queues the norm's
-kernels one tensor at a time, the GPU idles. For LoRA (448 adapter tensors) that was most of a 1xH200 profile's idle
-time; LoRA ZeRO-2 ran 15,370 tok/s with the test and 15,962 without (docs/benchmarks/vs_peer_2xh200.md, call ov).
+kernels one tensor at a time, the GPU idles. For LoRA (448 adapter tensors) that was most of a LoRA ZeRO-2 profile's
+idle time, and the step ran faster without the test (docs/benchmarks/2026-11-30-2xh200-vs-peer.md, calls ov and ov2).
 Turning bf16.check_grad_overflow off instead drops both tests, and a NaN gradient then reaches the weights
 (tests/test_overflow_check.py shows both).
 """

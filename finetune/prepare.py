@@ -1,0 +1,101 @@
+"""Everything a run checks before any process group or model exists: the recipe, the DeepSpeed JSON, the model
+folder, the tokenizer and data, the run folder and the checkpoint to resume. A mistake here is a ConfigError that
+says what to fix, raised on every rank before any of them starts work.
+
+    run = prepare("recipes/tiny.yaml", "ds_configs/zero2.json", ["train.max_steps=20"]); train(run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from finetune import checkpoint, dist
+from finetune.config import ConfigError, Recipe, load_recipe, recipe_to_dict
+from finetune.data.registry import get_format, load_plugins
+from finetune.data.tokenizer import load_tokenizer
+from finetune.ds_config import emulated_bf16_note, resolve_ds_config, zero_stage
+from finetune.loggers import check_backends
+from finetune.memory import budget
+from finetune.model import check_model_dir
+from finetune.perf import liger as kernels, lora_dropout
+
+
+@dataclass
+class Run:
+    """Everything resolved and validated before any process group or model exists."""
+
+    recipe: Recipe
+    ds: dict[str, Any]
+    model_config: dict[str, Any]
+    resume_from: str | None = None
+    plan: Any = None
+    """The memory plan (finetune.memory.budget.MemoryPlan) when train.gpu_memory_gib or --deepspeed auto chose the settings."""
+
+    def resolved_config(self) -> dict[str, Any]:
+        """The recipe and DeepSpeed JSON as resolved, as checkpoints and the metric back-ends keep them."""
+        return {"recipe": recipe_to_dict(self.recipe), "ds_config": self.ds}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="finetune/main.py", description="Fine-tune Mistral with DeepSpeed ZeRO.")
+    p.add_argument("--deepspeed", metavar="PATH", default="ds_configs/zero3.json",
+                   help="DeepSpeed JSON (ds_configs/), or `auto`: the fastest that fits train.gpu_memory_gib (or this GPU)")
+    p.add_argument("--config", metavar="PATH", default=None, help="YAML recipe (default recipes/mistral7b_lora.yaml)")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    return p.parse_args(argv)
+
+
+def prepare(config: str | None, deepspeed_json: str, overrides: list[str]) -> Run:
+    """Load and check everything a user can get wrong, before any rank starts work (raises ConfigError)."""
+    recipe = load_recipe(config, overrides)
+    check_backends(recipe.train.log_to)
+    kernels.check(recipe.model.kernels)
+    lora_dropout.check(recipe.lora)
+    model_config = check_model_dir(recipe.model)
+    _check_tokenizer_and_data(recipe)
+    recipe_path = config or "recipes/mistral7b_lora.yaml"
+    recipe, deepspeed_json, plan = budget.fit(recipe, model_config, deepspeed_json, dist.world_size(), recipe_path)
+    ds = resolve_ds_config(deepspeed_json, recipe, dist.world_size(), model_config["hidden_size"],
+                           recipe_path=recipe_path, vocab_size=model_config["vocab_size"])
+    budget.check_offload_fits_host(recipe, model_config, ds, dist.world_size())
+    if note := emulated_bf16_note(ds):
+        dist.print0(note)
+    out = recipe.train.output_dir
+    # Other ranks may be probing the folder right now (check_output_dir's .write-test-* files): not content.
+    content = [f for f in os.listdir(out) if not f.startswith(checkpoint.WRITE_PROBE)] if os.path.isdir(out) else []
+    if content and not (recipe.train.overwrite or recipe.train.resume):
+        raise ConfigError(f"train.output_dir {out!r} is not empty: choose a new one, pass train.resume=auto to "
+                          f"continue it, or train.overwrite=true")
+    resume_from = checkpoint.resolve_resume(recipe.train.resume, out)
+    if resume_from and zero_stage(ds) == 3 and checkpoint.saved_world_size(resume_from) != dist.world_size():
+        # DeepSpeed 0.19.8's universal conversion of a ZeRO-3 checkpoint restores the weights exactly but not Adam's
+        # state, so the loss curve drifts (docs/benchmarks/2026-11-30-cpu-zero3-resume.md); ZeRO-1/2 continue on it.
+        raise ConfigError(
+            f"{resume_from} was saved by {checkpoint.saved_world_size(resume_from)} rank(s) under ZeRO-3; resume it on "
+            f"that many ranks, or export it (zerotune export) and start a new run: ZeRO-3 checkpoints do not "
+            f"reshard exactly to {dist.world_size()} rank(s) (ZeRO-1/2 checkpoints do)")
+    lora_fraction = 0.01 if recipe.lora.enabled else None
+    needed = checkpoint.estimate_checkpoint_bytes(model_config, lora_fraction) if recipe.train.save_every > 0 else 0
+    checkpoint.check_output_dir(out, needed)
+    return Run(recipe, ds, model_config, resume_from, plan)
+
+
+def _check_tokenizer_and_data(recipe: Recipe) -> None:
+    """Fail before any rank starts work on a missing tokenizer, data file, format or plugin."""
+    try:
+        load_tokenizer(recipe.model.tokenizer or recipe.model.path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"tokenizer: {e}") from None
+    try:
+        load_plugins(recipe.data.plugins)
+        get_format(recipe.data.format)
+    except (ImportError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    for key, path in (("data.path", recipe.data.path), ("data.eval_path", recipe.data.eval_path)):
+        if path and not os.path.exists(path):
+            raise ConfigError(f"{key} {path!r} not found: point it at a local JSONL/JSON/Parquet/CSV/Arrow file or a "
+                              f"save_to_disk folder")
