@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -13,6 +14,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_BIN = os.path.dirname(sys.executable)
 TINY_CONFIG = os.path.join(ROOT, "recipes", "tiny_model", "config.json")
 TINY_RECIPE = os.path.join(ROOT, "recipes", "tiny.yaml")
+# The tiny model with a 512-piece tokenizer (tests/fixtures/make_small_vocab.py): for tests whose subject is not the
+# real Mistral tokenizer, a model that is not mostly vocabulary. `model.tokenizer={SMALL_VOCAB}` selects it.
+SMALL_VOCAB = os.path.join(ROOT, "tests", "fixtures", "small_vocab")
+
+
+def deepspeed_command() -> list[str]:
+    """The `deepspeed` launcher: the one on PATH, else this interpreter's `python -m deepspeed.launcher.runner`
+    (an install may put its scripts elsewhere than beside sys.executable)."""
+    found = shutil.which("deepspeed")
+    return [found] if found else [sys.executable, "-m", "deepspeed.launcher.runner"]
 
 
 def loopback_env(**extra: str) -> dict[str, str]:
@@ -32,15 +43,17 @@ def loopback_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def save_tiny_model(dest: str, seed: int = 0) -> str:
-    """A random-init tiny Mistral saved with save_pretrained: the real from_pretrained path, one init for everyone."""
+def save_tiny_model(dest: str, seed: int = 0, config_dir: str = SMALL_VOCAB) -> str:
+    """A random-init tiny Mistral saved with save_pretrained: the real from_pretrained path, one init for everyone.
+    By default the small-vocabulary one (train it with `model.tokenizer={SMALL_VOCAB}`); config_dir=dirname(TINY_CONFIG)
+    gives the 32,000-token one."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if os.path.exists(os.path.join(dest, "model.safetensors")):
         return dest
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(os.path.dirname(TINY_CONFIG)), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=torch.float32)
     model.save_pretrained(dest)
     return dest
 
@@ -70,7 +83,7 @@ def run_ranks(world: int, script: str, args: list[str], timeout: int = 600, env:
                    OMP_NUM_THREADS=str(len(os.sched_getaffinity(0))))
         cmd = [sys.executable, script, *args]
     else:
-        cmd = [os.path.join(VENV_BIN, "deepspeed"), "--num_gpus", str(world), "--master_addr", "127.0.0.1",
+        cmd = [*deepspeed_command(), "--num_gpus", str(world), "--master_addr", "127.0.0.1",
                "--master_port", port, script, *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
@@ -79,12 +92,12 @@ def run_ranks(world: int, script: str, args: list[str], timeout: int = 600, env:
 
 
 def train_cases(world: int, cases: list[dict], tmp) -> dict:
-    """Run zerotune trainings (tests/parity_driver.py cases: name, config, deepspeed, overrides) in one process group of
+    """Run zerotune trainings (tests/drivers/parity_driver.py cases: name, config, deepspeed, overrides) in one process group of
     `world` ranks; their results (losses, grad norms, ...) by name. tmp: a folder for the cases and results files."""
     cases_file, out = os.path.join(str(tmp), "cases.json"), os.path.join(str(tmp), "out.json")
     with open(cases_file, "w") as f:
         json.dump(cases, f)
-    run_ranks(world, os.path.join(ROOT, "tests", "parity_driver.py"), [out, cases_file])
+    run_ranks(world, os.path.join(ROOT, "tests", "drivers", "parity_driver.py"), [out, cases_file])
     with open(out) as f:
         return json.load(f)
 

@@ -6,7 +6,7 @@ Model states follow the ZeRO paper for mixed-precision Adam: per trained paramet
 and 12 of optimizer state (fp32 master 4, Adam m and v 8); frozen (LoRA base) parameters cost their weight only.
 ZeRO-1 splits the optimizer states over the N data-parallel ranks, ZeRO-2 also the gradients, ZeRO-3 also the weights.
 Activations are what autograd saves for backward in transformers' Mistral (bf16, sdpa), counted tensor by tensor and
-checked against torch's saved-tensor hooks in tests/test_estimate.py.
+checked against torch's saved-tensor hooks in tests/integration/test_estimate.py.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ import re
 import shlex
 import socket
 import sys
-from dataclasses import dataclass
 
 from finetune.multinode.hostfile import (
     HostfileError,
@@ -31,7 +30,7 @@ from finetune.config import ConfigError, load_recipe
 from finetune.dist import free_port
 from finetune.multinode.jobwatch import run_job, span
 from finetune.multinode.plan import LaunchPlan
-from finetune.multinode.preflight import Transport, run_preflight
+from finetune.multinode.preflight import run_preflight
 
 REPO = shipped.IMPORT_ROOT  # the folder holding this `finetune` package: the checkout, or site-packages
 DEFAULT_SCRIPT = os.path.join(shipped.PACKAGE, "main.py")

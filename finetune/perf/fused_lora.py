@@ -139,7 +139,7 @@ def install_fused_lora(model: torch.nn.Module, zero_stage: int, dropout_kernel: 
         # gather and release them, in forward and backward. (Not DeepSpeed's leaf modules: those reduce their
         # gradients in a full backward hook, which fires before this function's backward where the input needs no
         # gradient, e.g. layer 0's q/k/v under LoRA: a GPU run with them crashed at the first backward, and
-        # tests/test_fused_lora.py's ZeRO-3 test fails with them.)
+        # tests/integration/test_fused_lora.py's ZeRO-3 test fails with them.)
         from deepspeed.runtime.zero.partition_parameters import register_external_parameter
     layers = [m for m in model.modules() if type(m) is Linear]
     for layer in layers:

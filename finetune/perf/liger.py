@@ -5,7 +5,7 @@
 
 Each replaces several elementwise kernels (and their recomputation under activation checkpointing) by one; the
 effect is in docs/benchmarks/2026-11-30-2xh200-vs-peer.md. Triton needs CUDA, so on CPU `auto` means none; their loss
-parity is checked on a GPU by tests/test_gpu_kernels.py. The loss itself is fused by zerotune
+parity is checked on a GPU by tests/gpu/test_gpu_kernels.py. The loss itself is fused by zerotune
 (finetune/perf/fused_loss.py), which also runs on CPU.
 
 liger's own apply_liger_kernel_to_mistral rebinds names in transformers' modeling_mistral module (its RoPE function,

@@ -16,7 +16,7 @@ on x's device, so activation checkpointing, which restores that generator before
 An element is dropped with probability p rounded to a multiple of 2⁻¹⁶ (drawn_p: 0.05 -> 0.0500031) and a kept one
 is scaled by 1/(1-that), as torch's dropout does; the masks are not torch's (another random stream), so runs with
 this kernel and with torch's dropout agree in distribution, not bit for bit. Triton needs CUDA; on CPU
-TRITON_INTERPRET=1 runs the same kernels (fp32) for tests/test_lora_dropout.py.
+TRITON_INTERPRET=1 runs the same kernels (fp32) for tests/integration/test_lora_dropout.py.
 
 Against torch's dropout these kernels train Mistral-7B LoRA faster and with less memory, and cost less time per step
 over no dropout (docs/benchmarks/2026-11-30-2xh200-vs-peer.md, calls ld1 and ld2; benchmarks/lora_dropout_kernels.py

@@ -9,7 +9,7 @@ any gradient element is, so the first test adds only its cost: while the host wa
 kernels one tensor at a time, the GPU idles. For LoRA (448 adapter tensors) that was most of a LoRA ZeRO-2 profile's
 idle time, and the step ran faster without the test (docs/benchmarks/2026-11-30-2xh200-vs-peer.md, calls ov and ov2).
 Turning bf16.check_grad_overflow off instead drops both tests, and a NaN gradient then reaches the weights
-(tests/test_overflow_check.py shows both).
+(tests/integration/test_overflow_check.py shows both).
 """
 
 from __future__ import annotations

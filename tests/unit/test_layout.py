@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import os
 
-import pytest
 
 from tests.helpers import ROOT
 

@@ -7,8 +7,8 @@ installation (finetune/perf/liger.py), and the real kernels are checked by the l
 are present.
 
 apply_engine: a real DeepSpeed ZeRO-1/2 engine starts a process group, so its decision is tested here on optimizer
-objects made without one. The real engines (NaN gradient skipped, clean steps identical) are tests/test_overflow_check.py,
-whose driver (tests/overflow_driver.py) goes through perf.apply_engine: an integration test of apply_engine needs
+objects made without one. The real engines (NaN gradient skipped, clean steps identical) are tests/integration/test_overflow_check.py,
+whose driver (tests/drivers/overflow_driver.py) goes through perf.apply_engine: an integration test of apply_engine needs
 deepspeed.initialize on a 1-rank gloo group, as that driver does.
 """
 

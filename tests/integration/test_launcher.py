@@ -1,0 +1,179 @@
+"""The hostfile launcher (finetune/multinode/launcher.py, hostfile.py, preflight.py).
+
+Unit, seconds: hostfile errors, filters, Slurm node lists, golden dry runs for 1, 2 and 4 hosts (pdsh, OpenMPI,
+Slurm), .deepspeed_env merging, failure parsing, and a preflight that names unreachable hosts within 10 s.
+Real runs, about 2 minutes: a private sshd makes 127.0.0.1 and 127.0.0.2 two "nodes"; the tiny recipe on 2 nodes x 1
+slot through pdsh and through OpenMPI gives the losses of a single-node 2-process run; a rank killed mid-run ends
+the job within 60 s naming it; a survivor that hangs is stopped by the launcher's watchdog. Loopback only.
+
+    ZEROTUNE_UPDATE_GOLDEN=1 pytest tests/unit/test_launcher.py -k golden    # rewrite tests/fixtures/golden/launch/*.txt"""
+
+from __future__ import annotations
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import psutil
+import pytest
+from tests.fixtures.sshd_fixture import IsolatedNetwork, LoopbackCluster, free_port, missing_binaries, write_ssh_wrapper
+from tests.unit.test_launcher import ROOT, TRAIN_ARGS  # noqa: F401
+
+
+PROBE = os.path.join(ROOT, "tests", "drivers", "launch_probe.py")
+
+
+def test_preflight_names_unreachable_hosts_within_10s(tmp_path):
+    if missing_binaries(("ssh",)):
+        pytest.skip("needs the ssh client")
+    with socket.socket() as silent:  # accepts TCP connections but never speaks SSH: a hung host
+        silent.bind(("127.0.0.4", 0))
+        silent.listen(8)
+        aliases = {"deadnode": ("127.0.0.3", free_port("127.0.0.3")), "silentnode": silent.getsockname()}
+        bin_dir = write_ssh_wrapper(str(tmp_path), aliases)
+        (tmp_path / "hosts").write_text("deadnode slots=1\nsilentnode slots=1\n")
+        env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"], PYTHONPATH=ROOT)
+        os.makedirs(tmp_path / "cwd")
+        start = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "finetune.multinode.launcher", "--hostfile", str(tmp_path / "hosts"), "--", *TRAIN_ARGS,
+             f"train.output_dir={tmp_path}/out"],
+            env=env, cwd=tmp_path / "cwd", capture_output=True, text=True, timeout=60,
+        )
+        elapsed = time.monotonic() - start
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert elapsed < 10, f"preflight took {elapsed:.1f} s"
+    assert re.search(r"FAIL deadnode reach: ssh failed: .*Connection refused", done.stdout), done.stdout
+    assert re.search(r"FAIL silentnode reach: ssh failed: .*(timed out|banner)", done.stdout), done.stdout
+    assert "nothing was started" in done.stderr
+    assert "cmd =" not in done.stdout and os.listdir(tmp_path / "cwd") == [], "no runner, no .deepspeed_env"
+
+
+@pytest.fixture(scope="module")
+def netns():
+    """A command prefix that runs inside a loopback-only network namespace (empty where not permitted)."""
+    with IsolatedNetwork() as net:
+        yield net.prefix
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, netns):
+    missing = missing_binaries()
+    if missing:
+        pytest.skip(f"two-node runs need {', '.join(missing)} (apt-get install openssh-server pdsh openmpi-bin)")
+    with LoopbackCluster(str(tmp_path_factory.mktemp("sshd")), prefix=netns) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def hostfile(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hosts") / "two_nodes"
+    path.write_text("# two loopback nodes served by tests/fixtures/sshd_fixture.py\n127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    return str(path)
+
+
+def tiny_args(out: str, steps: int) -> list[str]:
+    """The tiny recipe with repo-absolute paths: the launch runs from a temporary folder, not the repo."""
+    return [
+        "--deepspeed", f"{ROOT}/ds_configs/zero3.json", "--config", f"{ROOT}/recipes/tiny.yaml",
+        f"model.path={ROOT}/recipes/tiny_model", f"data.path={ROOT}/recipes/data/tiny_instruct.jsonl",
+        f"train.max_steps={steps}", "train.log_every=1", "train.sample_prompt=null", f"train.output_dir={out}",
+    ]
+
+
+def launch(prefix: list[str], cwd, env, options: list[str], train_args: list[str]) -> subprocess.Popen:
+    """`python -m finetune.multinode.launcher` from `cwd` (not the repo: .deepspeed_env lands there), inside `prefix`'s netns."""
+    os.makedirs(cwd, exist_ok=True)
+    env = dict(env, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".cache", "torch_extensions"))  # the shm op, built once
+    cmd = [*prefix, sys.executable, "-m", "finetune.multinode.launcher", *options, "--", *train_args]
+    return subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def losses(out: str) -> list[float]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+@pytest.fixture(scope="module")
+def single_node_losses(tmp_path_factory, netns):
+    tmp = tmp_path_factory.mktemp("single")
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    options = ["--hostfile", f"{ROOT}/hostfiles/localhost"]
+    proc = launch(netns, tmp / "cwd", env, options, tiny_args(str(tmp / "out"), 10))
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, output[-4000:]
+    return losses(str(tmp / "out"))
+
+
+@pytest.mark.parametrize("backend", ["pdsh", "openmpi"])
+def test_two_nodes_match_single_node(backend, cluster, hostfile, single_node_losses, tmp_path):
+    out = str(tmp_path / "out")
+    options = ["--hostfile", hostfile, "--launcher", backend]
+    proc = launch(cluster.prefix, tmp_path / "cwd", cluster.env(), options, tiny_args(out, 10))
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, output[-4000:]
+    assert re.search(r"127.0.0.1 +ok .*ok, shared +free", output), output
+    assert re.search(r"127.0.0.2 +ok .*ok, shared +-", output), output
+    assert "--master_addr 127.0.0.1" in output and "zerotune launch: job finished" in output
+    two_nodes = losses(out)
+    assert len(two_nodes) == len(single_node_losses) == 10
+    assert two_nodes == pytest.approx(single_node_losses, rel=1e-5)
+    with open(tmp_path / "cwd" / ".deepspeed_env") as f:
+        env_file = f.read()
+    for line in ("GLOO_SOCKET_IFNAME=lo", f"PYTHONPATH={ROOT}", "TORCH_EXTENSIONS_DIR="):
+        assert line in env_file
+
+
+def _rank_pid(port: int, rank: int, deadline: float) -> int:
+    """The pid of `rank` of the job whose MASTER_PORT is `port` (only our own job's processes match)."""
+    while time.monotonic() < deadline:
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                env, cmdline = p.environ(), p.info["cmdline"] or []
+                if "-u" in cmdline and env.get("MASTER_PORT") == str(port) and env.get("RANK") == str(rank):
+                    return p.pid
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        time.sleep(0.5)
+    raise AssertionError(f"rank {rank} of the job on port {port} never started")
+
+
+def test_killed_rank_ends_job_within_60s_naming_it(cluster, hostfile, tmp_path):
+    out, port = str(tmp_path / "out"), free_port()
+    options = ["--hostfile", hostfile, "--master-port", str(port)]
+    proc = launch(cluster.prefix, tmp_path / "cwd", cluster.env(), options, tiny_args(out, 10_000))
+    deadline = time.monotonic() + 240
+    while not (os.path.exists(os.path.join(out, "metrics.jsonl")) and losses(out)):  # mid-run: a step is done
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
+        time.sleep(0.5)
+    os.kill(_rank_pid(port, 1, deadline), signal.SIGKILL)
+    killed = time.monotonic()
+    output = proc.communicate(timeout=90)[0]
+    assert time.monotonic() - killed < 60
+    assert proc.returncode != 0
+    assert "job failed: rank 1 on 127.0.0.2 was killed by signal 9 (SIGKILL)" in output, output[-4000:]
+    assert not [p for p in psutil.process_iter() if _has_port(p, port)], "ranks left behind"
+
+
+def test_watchdog_stops_a_hung_survivor(cluster, hostfile, tmp_path):
+    """Rank 1 fails while rank 0 hangs (as in a stuck NCCL call): the launcher stops rank 0 itself after the grace."""
+    port = free_port()
+    options = ["--hostfile", hostfile, "--master-port", str(port), "--failure-grace", "2", "--script", PROBE]
+    args = ["steps=1000", "pause=0.05", "fail_rank=1", "fail_step=5", "survivor=hang", f"train.output_dir={tmp_path}/o"]
+    proc = launch(cluster.prefix, tmp_path / "cwd", cluster.env(), options, args)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode != 0
+    assert "ranks still running; stopping the job on every host" in output, output[-4000:]
+    assert "job failed: rank 1 on 127.0.0.2 exited with code 3" in output
+    assert not [p for p in psutil.process_iter() if _has_port(p, port)], "ranks left behind"
+
+
+def _has_port(p: psutil.Process, port: int) -> bool:
+    try:
+        return p.environ().get("MASTER_PORT") == str(port) and p.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
