@@ -61,7 +61,7 @@ setup(
         "safetensors>=0.4",
     ],
     extras_require={
-        "dev": ["pytest>=8", "pytest-xdist>=3.5", "matplotlib>=3.8", "tensorboard>=2.15", "wandb>=0.19",
+        "dev": ["pytest>=8", "pytest-xdist>=3.5", "ruff>=0.6", "matplotlib>=3.8", "tensorboard>=2.15", "wandb>=0.19",
                 "triton>=3.0"],  # its CPU interpreter runs the LoRA dropout kernels in tests
         # train.log_to back-ends and `zerotune plot`: none of them is needed to train.
         "tensorboard": ["tensorboard>=2.15"],

@@ -23,6 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from finetune.dist import free_port  # noqa: E402
+from finetune.metrics import read_metrics  # noqa: E402
 CONFIGS = ("full_zero2", "full_zero3", "lora_zero2", "lora_zero3")
 ROWS = 8  # rows per GPU per step (the peer's default micro-batch)
 PEER = {  # (micro-batch, grad_accum, checkpointing, liger); "best" from shared/FACTS.md's hand-tuning on 2xH200
@@ -89,7 +90,7 @@ def run_zerotune(config: str, a: argparse.Namespace, variant: list[str] | None =
     code, tail, wall = launch(script, a.gpus, out + ".log", a.timeout, env)
     result = {"system": system, "config": config, "exit": code, "wall_s": wall}
     metrics = os.path.join(out, "metrics.jsonl")
-    steps = [json.loads(x) for x in open(metrics) if '"loss"' in x] if os.path.exists(metrics) else []
+    steps = [r for r in read_metrics(metrics) if "loss" in r] if os.path.exists(metrics) else []
     timed = steps[a.skip:]
     if code != 0 or not timed:
         return {**result, "error": tail}

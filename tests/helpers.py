@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 
 from finetune.dist import free_port  # noqa: F401  (tests import it from here)
 
@@ -27,11 +30,18 @@ def deepspeed_command() -> list[str]:
 
 
 def loopback_env(**extra: str) -> dict[str, str]:
+    """The environment of a launched test process: loopback-only rendezvous, and CPU-only on any machine (the
+    integration tier is a CPU test by design): no CUDA device and DeepSpeed's CPU accelerator. DeepSpeed's launcher
+    re-sets CUDA_VISIBLE_DEVICES for each rank, so tests/fixtures/cpu_only (its sitecustomize, on PYTHONPATH) sets
+    both again at each rank's start."""
+    cpu_only = os.path.join(ROOT, "tests", "fixtures", "cpu_only")
     env = dict(os.environ)
     env.update(
         GLOO_SOCKET_IFNAME="lo",
         MASTER_ADDR="127.0.0.1",
-        PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),
+        CUDA_VISIBLE_DEVICES="",
+        DS_ACCELERATOR="cpu",
+        PYTHONPATH=os.pathsep.join(p for p in (ROOT, cpu_only, env.get("PYTHONPATH")) if p),
         PYTHONUNBUFFERED="1",
         TOKENIZERS_PARALLELISM="false",
         OMP_NUM_THREADS="1",
@@ -72,23 +82,69 @@ def ds_variant(base: str, dest: str, bf16: bool = True, **zero: object) -> str:
     return dest
 
 
-def run_ranks(world: int, script: str, args: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`deepspeed --num_gpus N` on loopback (one plain process for N=1, with the same rendezvous variables)."""
+def run_ranks(world: int, script: str, args: list[str], timeout: int = 600, env: dict | None = None,
+              launcher: bool = False) -> subprocess.CompletedProcess:
+    """`world` ranks of `script` on loopback; raises AssertionError with their output when one fails.
+
+    By default the ranks are started here with the rendezvous variables DeepSpeed's launcher would set (RANK,
+    LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, `--local_rank=K`): the launcher's own two processes, each importing
+    DeepSpeed before a rank starts, cost seconds per launch and are not what these tests test. launcher=True goes
+    through the real `deepspeed --num_gpus N` (the tests of the user's command line)."""
     env = env or loopback_env()
     port = str(free_port())
-    if world == 1:
+    if world == 1 and not launcher:
         # One rank leaves the other cores idle: let it use them (the parity matrix's 1-rank half ran 72 s on one
         # thread). The losses it is compared with agree to tolerances that allow other summation orders.
         env = dict(env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_PORT=port,
                    OMP_NUM_THREADS=str(len(os.sched_getaffinity(0))))
         cmd = [sys.executable, script, *args]
-    else:
+    elif launcher:
         cmd = [*deepspeed_command(), "--num_gpus", str(world), "--master_addr", "127.0.0.1",
                "--master_port", port, script, *args]
+    else:
+        return _spawn_ranks(world, script, args, timeout, dict(env, MASTER_PORT=port))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
+
+
+def _spawn_ranks(world: int, script: str, args: list[str], timeout: int, env: dict) -> subprocess.CompletedProcess:
+    """Start `world` ranks as the deepspeed launcher does; when one fails the others are stopped (they would wait in
+    a collective until gloo's timeout). stdout/stderr: rank 0's, then rank 1's, ..."""
+    with tempfile.TemporaryDirectory() as logs:
+        procs, files = [], []
+        for rank in range(world):
+            out, err = open(os.path.join(logs, f"{rank}.out"), "w+"), open(os.path.join(logs, f"{rank}.err"), "w+")
+            files.append((out, err))
+            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                            LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+            procs.append(subprocess.Popen([sys.executable, "-u", script, f"--local_rank={rank}", *args], cwd=ROOT,
+                                          env=rank_env, stdout=out, stderr=err, start_new_session=True))
+        deadline, stop_at = time.monotonic() + timeout, None
+        while any(p.poll() is None for p in procs) and time.monotonic() < (stop_at or deadline):
+            if stop_at is None and any(p.poll() not in (None, 0) for p in procs):
+                stop_at = time.monotonic() + 10  # a rank failed: the others get a moment to print theirs
+            time.sleep(0.05)
+        timed_out = stop_at is None and any(p.poll() is None for p in procs)
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        texts = []
+        for out, err in files:
+            out.seek(0), err.seek(0)
+            texts.append((out.read(), err.read()))
+            out.close(), err.close()
+    cmd = [sys.executable, script, *args]
+    stdout, stderr = "".join(t[0] for t in texts), "".join(t[1] for t in texts)
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        raise AssertionError(f"{world} ranks of {' '.join(cmd)} failed (exit codes {codes}):\n"
+                             + "\n".join(f"--- rank {r}:\n{o[-3000:]}\n{e[-6000:]}" for r, (o, e) in enumerate(texts)))
+    return subprocess.CompletedProcess(cmd, 0, stdout, stderr)
 
 
 def train_cases(world: int, cases: list[dict], tmp) -> dict:

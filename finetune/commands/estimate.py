@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-from finetune import shipped
+from finetune import dist, shipped
 from finetune.memory.estimate import FIT_FRACTION, GIB, SHIPPED, SPEED_ORDER, display_path, estimate_run, shipped_dir
 
 MISTRAL_SHAPE = os.path.join("recipes", "mistral7b_shape", "config.json")  # under shipped.ROOT
@@ -90,11 +90,8 @@ def model_shape(model_cfg) -> tuple[dict[str, Any], str]:
 
 def _local_gpus() -> tuple[int, float | None]:
     """(GPUs on this machine, or 1; bytes of memory of the first, or None without a GPU)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return 1, None
-    return torch.cuda.device_count(), float(torch.cuda.get_device_properties(0).total_memory)
+    gpus = dist.local_gpus()
+    return (len(gpus), gpus[0]) if gpus else (1, None)
 
 
 def _local_cpu_memory() -> float | None:

@@ -5,17 +5,22 @@ result. The kernels go into each model through finetune.perf.apply (per instance
 transformers' own, whatever ran before).
 """
 
+import os
+
 import pytest
 import torch
 
 from finetune import perf
 from finetune.config import Recipe, load_recipe
 from finetune.perf import liger as kernels
-from tests.helpers import TINY_RECIPE, save_tiny_model
+from tests.helpers import TINY_CONFIG, TINY_RECIPE, save_tiny_model
 
 pytestmark = pytest.mark.skipif(kernels.available() is not None, reason=str(kernels.available()))
 
 STAGE0 = {"zero_optimization": {"stage": 0}}
+# The 32,000-token tiny model: the inputs below draw ids from its whole vocabulary (save_tiny_model's default is the
+# 512-piece one, where they would index past the embedding).
+TINY_DIR = os.path.dirname(TINY_CONFIG)
 
 
 def _recipe(model_dir: str, liger: bool, fused_loss: bool) -> Recipe:
@@ -47,7 +52,7 @@ def _curve(model_dir: str, dtype, liger: bool, steps: int = 6) -> list[float]:
 
 
 def test_liger_kernels_leave_the_loss_curve(tmp_path):
-    model_dir = save_tiny_model(str(tmp_path / "m"))
+    model_dir = save_tiny_model(str(tmp_path / "m"), config_dir=TINY_DIR)
     plain = {dtype: _curve(model_dir, dtype, liger=False) for dtype in (torch.float32, torch.bfloat16)}
     liger = {dtype: _curve(model_dir, dtype, liger=True) for dtype in (torch.float32, torch.bfloat16)}
     print({str(k): (plain[k], liger[k]) for k in plain})
@@ -74,7 +79,7 @@ def test_fused_mlp_gradients_on_cuda(tmp_path, liger):
 
     from finetune.perf.fused_mlp import install_fused_mlp
 
-    model_dir = save_tiny_model(str(tmp_path / "m"))
+    model_dir = save_tiny_model(str(tmp_path / "m"), config_dir=TINY_DIR)
     ids = torch.randint(0, 32000, (2, 128), generator=torch.Generator().manual_seed(0)).cuda()
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
         plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda()

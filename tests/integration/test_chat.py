@@ -40,7 +40,8 @@ def runs(tmp_path_factory):
 
 
 def one_shot(capsys, *args) -> str:
-    assert chat.main([*args, "--prompt", PROMPT, "--max-new-tokens", str(TOKENS)]) == 0
+    # The engine's samples come from CPU ranks (the integration tier is CPU-only): the same device here, GPU or not.
+    assert chat.main([*args, "--prompt", PROMPT, "--max-new-tokens", str(TOKENS), "--device", "cpu"]) == 0
     return capsys.readouterr().out
 
 
@@ -83,7 +84,7 @@ def test_interactive_keeps_the_conversation(runs, monkeypatch, capsys):
     follow_up = "And ZeRO stage 1?"
     lines = iter([PROMPT, follow_up, "/reset", PROMPT, "/exit"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
-    assert chat.main([str(runs["full"]), "--max-new-tokens", str(TOKENS)]) == 0
+    assert chat.main([str(runs["full"]), "--max-new-tokens", str(TOKENS), "--device", "cpu"]) == 0
     shown = capsys.readouterr().out.split("model> ")[1:]
     loaded = chat.load_chat_model(str(runs["full"]), device="cpu")
     second = reply(loaded.model, loaded.tokenizer, [Message("user", PROMPT), Message("assistant", runs["full_answer"]),

@@ -202,7 +202,8 @@ def test_kill_9_then_resume_continues_the_uninterrupted_curve(runs, tmp_path, mo
     args = ["--deepspeed", str(tmp / "z3-False.json"), "--config", TINY_RECIPE, f"model.path={tmp / 'model'}",
             f"model.tokenizer={SMALL_VOCAB}", "lora.enabled=false", "data.max_seq_len=128", "optim.lr=1e-3",
             "optim.warmup_steps=3", f"train.max_steps={STEPS}", "train.micro_batch_size=1", "train.grad_accum=2",
-            "train.sample_prompt=null", "train.log_every=100", "train.save_every=2", f"train.output_dir={out}"]
+            "train.sample_prompt=null", "train.log_every=100", "train.save_every=2", "train.export=false",
+            f"train.output_dir={out}"]
     ckpts = out / "checkpoints"
     if moment == "training":
         until = lambda o: (ckpts / "step_00000004" / checkpoint.MARKER).exists()

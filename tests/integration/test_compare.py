@@ -6,7 +6,7 @@ import os
 import subprocess
 import pytest
 from PIL import Image
-from tests.helpers import ROOT, TINY_RECIPE, loopback_env
+from tests.helpers import ROOT, SMALL_VOCAB, TINY_RECIPE, loopback_env
 
 
 STAGES = ["zero0", "zero1", "zero2", "zero3"]
@@ -16,7 +16,9 @@ STAGES = ["zero0", "zero1", "zero2", "zero3"]
 def compared(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare") / "cmp"
     cmd = ["bash", os.path.join(ROOT, "launch", "compare.sh"), "--config", TINY_RECIPE, "--stages", "0", "1", "2", "3",
-           "--steps", "3", "--gpus", "2", "--out", str(out), "data.max_seq_len=128"]
+           "--steps", "3", "--gpus", "2", "--out", str(out), "data.max_seq_len=128",
+           # the tiny model with the small vocabulary: config.json and tokenizer, no weights (compare saves one init)
+           f"model.path={SMALL_VOCAB}", f"model.tokenizer={SMALL_VOCAB}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=loopback_env(), capture_output=True, text=True, timeout=1800, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return out, json.load(open(out / "summary.json"))

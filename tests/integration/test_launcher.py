@@ -21,6 +21,7 @@ import psutil
 import pytest
 from tests.fixtures.sshd_fixture import IsolatedNetwork, LoopbackCluster, free_port, missing_binaries, write_ssh_wrapper
 from tests.unit.test_launcher import ROOT, TRAIN_ARGS  # noqa: F401
+from tests.helpers import loopback_env
 
 
 PROBE = os.path.join(ROOT, "tests", "drivers", "launch_probe.py")
@@ -87,7 +88,10 @@ def tiny_args(out: str, steps: int) -> list[str]:
 def launch(prefix: list[str], cwd, env, options: list[str], train_args: list[str]) -> subprocess.Popen:
     """`python -m finetune.multinode.launcher` from `cwd` (not the repo: .deepspeed_env lands there), inside `prefix`'s netns."""
     os.makedirs(cwd, exist_ok=True)
-    env = dict(env, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    # CPU-only ranks, as loopback_env's: its PYTHONPATH (the repo first, then tests/fixtures/cpu_only) reaches every
+    # rank through .deepspeed_env, and that folder's sitecustomize hides CUDA from each of them.
+    cpu_only = {k: v for k, v in loopback_env().items() if k in ("PYTHONPATH", "CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR")}
+    env = dict(env, **cpu_only, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".cache", "torch_extensions"))  # the shm op, built once
     cmd = [*prefix, sys.executable, "-m", "finetune.multinode.launcher", *options, "--", *train_args]
     return subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

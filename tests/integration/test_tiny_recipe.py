@@ -5,18 +5,28 @@ import difflib
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
 from finetune.ds_config import quickstart_ds_config
-from tests.helpers import ROOT, TINY_RECIPE, deepspeed_command, free_port, loopback_env, run_ranks, save_tiny_model
+from tests.helpers import (ROOT, TINY_CONFIG, TINY_RECIPE, deepspeed_command, free_port, loopback_env, run_ranks,
+                           save_tiny_model)
+
+
+def ranks_quickstart_ds_config() -> str:
+    """quickstart_ds_config() as launch/quickstart.sh asks it: in the ranks' environment, which is CPU-only here
+    (loopback_env) also on a GPU machine, where this process would answer for the GPU."""
+    code = f"from {quickstart_ds_config.__module__} import quickstart_ds_config; print(quickstart_ds_config())"
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=loopback_env(), capture_output=True, text=True,
+                          timeout=120, check=True).stdout.strip()
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny") / "run"
-    proc = run_ranks(2, "finetune/main.py", ["--deepspeed", quickstart_ds_config(), "--config", TINY_RECIPE,
-                                             f"train.output_dir={out}"], timeout=1800)
+    proc = run_ranks(2, "finetune/main.py", ["--deepspeed", ranks_quickstart_ds_config(), "--config", TINY_RECIPE,
+                                             f"train.output_dir={out}"], timeout=1800, launcher=True)
     return out, proc
 
 
@@ -55,7 +65,7 @@ def test_tiny_run_writes_resolved_configs(tiny_run):
 
 
 def test_zero3_load_is_partitioned(tmp_path):
-    model_dir = save_tiny_model(str(tmp_path / "model"))
+    model_dir = save_tiny_model(str(tmp_path / "model"), config_dir=os.path.dirname(TINY_CONFIG))  # 32,000 tokens
     run_ranks(2, os.path.join(ROOT, "tests", "drivers", "zero3_probe.py"), [model_dir, str(tmp_path / "probe")], timeout=300)
     reports = [json.load(open(tmp_path / f"probe.{rank}.json")) for rank in (0, 1)]
     total = reports[0]["total"]

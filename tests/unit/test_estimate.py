@@ -88,7 +88,7 @@ def _saved_bytes(lora: LoraConfig | None, attn: str, packed: bool, fp32_adapters
         if lora.fused:
             from finetune.perf.fused_lora import install_fused_lora
 
-            install_fused_lora(model, zero_stage=2)
+            install_fused_lora(model, zero_stage=2, dropout_kernel=lora.dropout_kernel)  # as the estimate resolves it
     if fused_mlp:
         from finetune.perf.fused_mlp import install_fused_mlp
 
