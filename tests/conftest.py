@@ -14,6 +14,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Each pytest worker gets one core's worth of threads: two workers each running torch on all cores only contend.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 
 TIERS = ("unit", "integration", "gpu")

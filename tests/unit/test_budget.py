@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from finetune import dist
 from finetune.memory import budget
 from finetune.config import ConfigError, load_recipe
 from finetune.ds_config import resolve_ds_config
@@ -93,8 +94,9 @@ def test_what_ran_on_one_h200():
     the GPU) and was killed on the 125 GiB host (the fp32 master is built unpinned, then pinned). Both moments are
     estimated now, so on one GPU with that host nothing below 141 GiB fits, and the message says why."""
     rows4 = lambda kind: load_recipe(RECIPES[kind], ["model.path=recipes/mistral7b_shape", "model.fused_loss=false",
-                                                    "model.recompute_layers=16", "lora.dropout_kernel=torch"])
-    # what ran: selective was 16 of 32, torch's dropout
+                                                    "model.recompute_layers=16", "lora.dropout_kernel=torch",
+                                                    "model.kernels=none"])
+    # what ran: selective was 16 of 32, torch's dropout, no liger (pinned: `auto` would take liger on a GPU machine)
     chosen = {gib: budget.plan_memory(rows4("lora"), MISTRAL, "auto", 1, gib, 125 * GIB, 1) for gib in (24, 40, 80)}
     assert {gib: (p.deepspeed, p.activation_checkpointing, p.micro_batch_size) for gib, p in chosen.items()} == {
         24: ("ds_configs/zero2.json", "full", 4), 40: ("ds_configs/zero2.json", "selective", 2),
@@ -162,8 +164,10 @@ def test_ranks_per_node_from_the_launcher(monkeypatch):
     assert budget.ranks_per_node(16) == 8
 
 
-def test_auto_without_budget_or_gpu_says_what_to_set(tmp_path):
+def test_auto_without_budget_or_gpu_says_what_to_set(tmp_path, monkeypatch):
     from finetune.train import prepare
+
+    monkeypatch.setattr(dist, "local_gpus", lambda: [])  # a machine without a GPU, also on one that has them
 
     with pytest.raises(ConfigError) as e:
         prepare(TINY_RECIPE, "auto", [f"train.output_dir={tmp_path / 'run'}"])

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 import pytest
+import torch
 
+from finetune import dist
 from finetune.config import ConfigError
 from tests.helpers import ROOT, TINY_RECIPE
 
@@ -205,7 +207,10 @@ def earlier_run(tmp_path):
 
 
 @pytest.mark.parametrize("fault", [f for f in FAULTS if f.trigger], ids=lambda f: f.id)
-def test_fault_gives_its_message_and_loses_nothing(fault, tmp_path, earlier_run):
+def test_fault_gives_its_message_and_loses_nothing(fault, tmp_path, earlier_run, monkeypatch):
+    # The rows describe a machine without a GPU (no budget for `auto`, no CUDA for liger): the same on a GPU machine.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(dist, "local_gpus", lambda: [])
     before = _snapshot(earlier_run)
     with pytest.raises((ConfigError, ValueError, OSError)) as e:
         fault.trigger(tmp_path, earlier_run)
