@@ -21,9 +21,9 @@ os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 
 TIERS = ("unit", "integration", "gpu")
 
-# Integration files whose multi-rank runs take longest, run first: with `pytest -n 2 --dist loadfile` each file goes
-# whole to the worker that is free, so starting with the longest lets the two workers end together instead of one
-# finishing a long file alone. The other files keep their order, after these.
+# Under `pytest -n 2 --dist loadfile`, the integration files whose multi-rank runs take longest run first: each file
+# goes whole to the worker that is free, so starting with the longest lets the two workers end together instead of one
+# finishing a long file alone. The other files keep their order, after these. One process keeps the command line's order.
 LONGEST_FIRST = ["test_parity.py", "test_checkpoint.py", "test_offload.py", "test_launcher.py",
                  "test_tiny_recipe.py", "test_compare.py", "test_chat.py"]
 
@@ -53,4 +53,5 @@ def pytest_collection_modifyitems(session, config, items):
             return LONGEST_FIRST.index(name)
         return len(LONGEST_FIRST) + (1 if _tier(item) == "unit" else 0)
 
-    items.sort(key=rank)  # stable: the order within a file, and of the other files, is kept
+    if config.pluginmanager.hasplugin("xdist") and getattr(config.option, "numprocesses", None):
+        items.sort(key=rank)  # stable: the order within a file, and of the other files, is kept

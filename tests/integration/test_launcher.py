@@ -21,7 +21,7 @@ import psutil
 import pytest
 from tests.fixtures.sshd_fixture import IsolatedNetwork, LoopbackCluster, free_port, missing_binaries, write_ssh_wrapper
 from tests.unit.test_launcher import ROOT, TRAIN_ARGS  # noqa: F401
-from tests.helpers import loopback_env
+from tests.helpers import SMALL_VOCAB, loopback_env
 
 
 PROBE = os.path.join(ROOT, "tests", "drivers", "launch_probe.py")
@@ -80,7 +80,8 @@ def tiny_args(out: str, steps: int) -> list[str]:
     """The tiny recipe with repo-absolute paths: the launch runs from a temporary folder, not the repo."""
     return [
         "--deepspeed", f"{ROOT}/ds_configs/zero3.json", "--config", f"{ROOT}/recipes/tiny.yaml",
-        f"model.path={ROOT}/recipes/tiny_model", f"data.path={ROOT}/recipes/data/tiny_instruct.jsonl",
+        # the tiny model with the small vocabulary (config.json and tokenizer, seeded random init)
+        f"model.path={SMALL_VOCAB}", f"model.tokenizer={SMALL_VOCAB}", f"data.path={ROOT}/recipes/data/tiny_instruct.jsonl",
         f"train.max_steps={steps}", "train.log_every=1", "train.sample_prompt=null", f"train.output_dir={out}",
     ]
 
