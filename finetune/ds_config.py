@@ -173,9 +173,9 @@ def emulated_bf16_note(ds: dict[str, Any]) -> str | None:
 
 def quickstart_ds_config() -> str:
     """The DeepSpeed file launch/quickstart.sh trains the tiny recipe with (and its test,
-    tests/integration/test_tiny_recipe.py): ZeRO-3 in bf16 on GPUs, in fp32 on a CPU. On a CPU, fp32 gives the same
-    losses and answers whether or not it has native bf16 (the two bf16 paths round differently), and is the faster
-    where bf16 is emulated (docs/benchmarks/2026-12-01-cpu-bf16-emulation.md)."""
+    tests/integration/test_tiny_recipe.py): ZeRO-3 in bf16 on GPUs, in fp32 on a CPU. CPUs with and without native
+    bf16 round bf16 differently (emulated bf16 GEMMs accumulate otherwise), so fp32 keeps CPU runs comparable, and it
+    is the faster where bf16 is emulated (docs/benchmarks/2026-12-01-cpu-bf16-emulation.md)."""
     import torch  # lazy: `zerotune --help` and the launcher import this module without torch
 
     return "ds_configs/zero3.json" if torch.cuda.is_available() else "ds_configs/zero3_fp32.json"

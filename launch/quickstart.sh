@@ -11,7 +11,7 @@ else
 fi
 port=$(python -c 'from finetune.dist import free_port; print(free_port())')
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
-# bf16, except on a CPU without native bf16, where torch emulates it (186 s against fp32's 134 s): fp32 there
+# bf16 on GPUs; fp32 on a CPU, where bf16 rounds differently with and without native support (and is slow if emulated)
 ds=$(python -c 'from finetune.ds_config import quickstart_ds_config; print(quickstart_ds_config())')
 deepspeed --num_gpus 2 --master_addr 127.0.0.1 --master_port "$port" \
   finetune/main.py --deepspeed "$ds" --config recipes/tiny.yaml train.overwrite=true "$@"
