@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
+    # Each command's module is imported only when it runs: `zerotune --help` and `zerotune launch` stay fast, and no
+    # command pays for another's imports (torch, DeepSpeed, matplotlib).
     if command == "train":
         from finetune.train import main as run
     elif command == "launch":

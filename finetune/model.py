@@ -101,6 +101,7 @@ def _enable_checkpointing(model, recomputed: list[int]) -> None:
 
 
 def _apply_lora(model, cfg: LoraConfig, seed: int):
+    # peft is slow to import and only LoRA runs need it
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 

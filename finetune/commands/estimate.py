@@ -16,6 +16,8 @@ import sys
 from typing import Any
 
 from finetune import dist, shipped
+from finetune.config import ConfigError, load_recipe
+from finetune.ds_config import ds_json_path, resolve_ds_config
 from finetune.memory.estimate import FIT_FRACTION, GIB, SHIPPED, SPEED_ORDER, display_path, estimate_run, shipped_dir
 
 MISTRAL_SHAPE = os.path.join("recipes", "mistral7b_shape", "config.json")  # under shipped.ROOT
@@ -102,9 +104,6 @@ def _local_cpu_memory() -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from finetune.config import ConfigError, load_recipe
-    from finetune.ds_config import ds_json_path, resolve_ds_config
-
     p = argparse.ArgumentParser(prog="zerotune estimate", description="Per-GPU memory of every ZeRO stage, and the fastest that fits.")
     p.add_argument("--config", metavar="PATH", default=None,
                    help="YAML recipe or a shipped name such as mistral7b_full (default mistral7b_lora)")

@@ -51,7 +51,7 @@ class SwiGLUDownFunction(torch.autograd.Function):
             del product
         grad_product = grad_y @ weight
         if ctx.liger:
-            from liger_kernel.ops.swiglu import swiglu_backward
+            from liger_kernel.ops.swiglu import swiglu_backward  # optional dependency: only with liger installed
 
             # liger writes the gradients over gate and up, which nothing needs after this (their projections keep
             # their own inputs); its SwiGLU module does the same.

@@ -60,6 +60,7 @@ def step_profiler(enabled: bool, output_dir: str, step: int, is_main: bool = Tru
     if not enabled:
         yield
         return
+    # torch is imported only for a profiled step: the report functions below are pure Python (and tested so)
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -122,7 +123,7 @@ def idle_by_phase(kernels: list[tuple[float, float]], phases: list[tuple[str, fl
 
 
 def write_report(prof, wall_s: float, cuda: bool, output_dir: str, step: int) -> dict:
-    from torch.autograd import DeviceType
+    from torch.autograd import DeviceType  # as in step_profiler: torch only once a step is profiled
 
     rows = []
     for e in prof.key_averages():

@@ -1,10 +1,6 @@
-"""Exact resume and verified export, on 2 ranks with real engines (CPU, gloo, loopback).
-
-- 8 steps straight vs 4 steps, stop, resume to 8: steps 5-8 bit-identical (ZeRO-2/3, LoRA/full, fp32/bf16).
-- The export of a ZeRO-3 run (HF folder for full, adapter and merged model for LoRA, in-training and offline
-  `zerotune export`) reproduces the engine's logits on a fixed prompt.
-- A half-written checkpoint is never resumed from; an unwritable output dir fails before the first step.
-"""
+"""Checkpoints without an engine: a half-written checkpoint is never resumed from, and an unwritable or full output
+folder fails before the first step. The engine tests (exact resume, kill -9, export) are
+tests/integration/test_checkpoint.py."""
 
 import os
 

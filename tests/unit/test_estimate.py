@@ -1,5 +1,6 @@
-"""The memory estimator against the ZeRO paper's formulas (Mistral-7B's shape and the tiny model, LoRA and full), against
-the bytes real DeepSpeed engines hold on each of 2 ranks, and its activation count against torch's saved tensors."""
+"""The memory estimator against the ZeRO paper's formulas (Mistral-7B's shape and the tiny model, LoRA and full), its
+activation count against torch's saved tensors, and the `zerotune estimate` table. Against the bytes real DeepSpeed
+engines hold on each of 2 ranks: tests/integration/test_estimate.py."""
 
 import dataclasses
 import json

@@ -1,5 +1,5 @@
-"""TensorBoard and W&B (offline) get exactly the records of metrics.jsonl from a real tiny run; neither package is
-needed to train, and asking for a missing one is a clear error before training starts."""
+"""Metric back-ends without a run: neither TensorBoard nor W&B is needed to train, and asking for a missing or unknown
+one is a clear error before training starts. The records they receive from a real run: tests/integration/test_loggers.py."""
 
 import json
 import sys

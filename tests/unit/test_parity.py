@@ -1,9 +1,6 @@
-"""Oracle tests: zerotune under ZeRO-0/1/2/3 on 1 and 2 ranks vs a plain-PyTorch loop (real engines, gloo, loopback).
-
-Acceptance of the training core: per-step losses equal the oracle's (fp32 1e-5, bf16 2e-2) for LoRA and full;
-1 rank x accumulation 2 equals 2 ranks x accumulation 1 although the micro-batches hold different numbers of
-target tokens; LoRA leaves every base weight bit-identical and changes the adapters.
-"""
+"""What the oracle matrix (tests/integration/test_parity.py) relies on: the micro-batches of a step hold different
+numbers of target tokens, so 1 rank x accumulation 2 against 2 ranks x accumulation 1 tests the loss normalisation.
+`overrides` is the recipe every case of the matrix trains."""
 
 import os
 

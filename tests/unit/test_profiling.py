@@ -1,5 +1,6 @@
-"""train.profile_step: one step's time by kind of kernel (finetune/perf/profiling.py), through a real training run on CPU,
-and the categories kernel names fall into (those of the H200 profiles in docs/benchmarks/vs_peer/)."""
+"""train.profile_step's report without a run: the categories kernel names fall into (those of the H200 profiles in
+docs/benchmarks/vs_peer/), the timeline split and the idle time by host phase. Through a real training run on CPU:
+tests/integration/test_profiling.py."""
 
 
 import pytest
