@@ -1,7 +1,7 @@
-"""The README's "what fits where" table: the memory plan (`--deepspeed auto train.gpu_memory_gib=G`) of Mistral-7B,
-LoRA and full, for 24/40/80/141 GB GPUs and 1-8 GPUs, from the estimator; cells measured on an H200 with the budget
-enforced (docs/benchmarks/budget/runs.json) carry the measured peak. Estimates assume transformers' own modules (the
-liger kernels, used by default on CUDA when installed, need less).
+"""The "what fits where" table of docs/memory.md: the memory plan (`--deepspeed auto train.gpu_memory_gib=G`) of
+Mistral-7B, LoRA and full, for 24/40/80/141 GB GPUs and 1-8 GPUs, from the estimator; cells measured on an H200 with
+the budget enforced (docs/benchmarks/budget/runs.json) carry the measured peak. Estimates assume transformers' own
+modules (the liger kernels, used by default on CUDA when installed, need less).
 
     python benchmarks/fits_table.py [--cpu-memory-gib 256] > table.md
 """

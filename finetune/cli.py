@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import sys
 
+from finetune import logs
+
 USAGE = """usage: zerotune <command> [arguments]
 
 commands:
   train       train in this process (use `deepspeed ... finetune/main.py` for several GPUs)
   launch      run a multi-node job from a hostfile, after preflight checks
-  export      write an HF model, a LoRA adapter or a merged model from a run's checkpoint
+  export      write an HF model, a LoRA adapter or a merged model from a run's checkpoint or final export
   preprocess  tokenize a recipe's data into the cache and report samples, tokens, drops and pack fill
   compare     run one recipe under several ZeRO stages; write a summary table and plots
   estimate    per-GPU memory of every ZeRO stage for a recipe, and the fastest that fits
@@ -30,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
+    logs.setup(command == "train" and "--verbose" in rest)  # before any command imports DeepSpeed, which logs then
     # Each command's module is imported only when it runs: `zerotune --help` and `zerotune launch` stay fast, and no
     # command pays for another's imports (torch, DeepSpeed, matplotlib).
     if command == "train":

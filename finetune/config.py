@@ -2,8 +2,8 @@
 
     recipe = load_recipe("recipes/tiny.yaml", ["train.max_steps=20", "lora.rank=8"])
 
-Unknown keys and wrong types fail at once, naming the key and the valid choices. The DeepSpeed JSON
-is resolved against the recipe in `finetune/ds_config.py`.
+Unknown keys and wrong types fail at once, naming the key, the valid choices and where it was written: the recipe
+file, or a command-line override. The DeepSpeed JSON is resolved against the recipe in `finetune/ds_config.py`.
 """
 
 from __future__ import annotations
@@ -160,6 +160,11 @@ class TrainConfig:
     """Folder on a local NVMe disk for ds_configs/zero3_nvme.json (its nvme_path "auto")."""
     wandb_project: str = "zerotune"
     """W&B project of the run when `wandb` is in log_to (WANDB_MODE=offline writes it locally, no network)."""
+    stall_timeout_s: float | Literal["auto"] | None = "auto"
+    """End the run (exit 4) when no step finishes, and no eval batch, save, sample or export starts, for this many
+    seconds: every running rank writes its Python stacks to <output_dir>/stall/rank_K.txt and the lowest running rank
+    names the rank that is stuck, its host, phase and collective. `auto` (or null): 10 x the median step time + 60 s,
+    at least 300 s; 1800 s before the first step and for a save, sample or export. 0 = off."""
 
 
 @dataclass
@@ -191,6 +196,8 @@ class Recipe:
              "train.gpu_memory_gib must be > 0 (GiB per GPU), or null for no budget"),
             (self.train.cpu_memory_gib is None or self.train.cpu_memory_gib > 0,
              "train.cpu_memory_gib must be > 0 (GiB per node), or null to read it from the node"),
+            (self.train.stall_timeout_s in (None, "auto") or self.train.stall_timeout_s >= 0,
+             "train.stall_timeout_s must be >= 0 (seconds; 0 = off), or auto"),
             (not (self.model.fused_loss and self.lora.enabled and "lm_head" in self.lora.target_modules),
              "model.fused_loss computes the loss inside the output layer, which LoRA on lm_head replaces: set "
              "model.fused_loss=false or drop lm_head from lora.target_modules"),
@@ -214,16 +221,25 @@ def load_recipe(path: str | None = None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"{path}: not valid YAML: {e}") from e
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a recipe is a mapping of sections ({', '.join(_field_names(Recipe))})")
+    overridden: dict[str, str] = {}  # dotted key (or a section only overrides name) -> the override as written
     for item in overrides or []:
         key, sep, text = item.partition("=")
         if not sep or "." not in key:
-            raise ConfigError(f"override {item!r} is not section.key=value (e.g. train.max_steps=20)")
+            raise ConfigError(f"command-line override {item!r} is not section.key=value (e.g. train.max_steps=20)")
         section, _, name = key.partition(".")
+        if section not in raw:
+            overridden[section] = item
         raw.setdefault(section, {})
         if not isinstance(raw[section], dict):
             raise ConfigError(f"{path}: section {section!r} must be a mapping")
-        raw[section][name] = yaml.safe_load(text) if text != "" else ""
-    return _with_shipped_paths(_build(Recipe, raw, source=path))
+        try:
+            raw[section][name] = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError as e:
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"command-line override {item!r}: {text!r} is not a YAML value ({problem}); write a "
+                              f"number, true/false, null, text or a list such as [q_proj, v_proj]") from None
+        overridden[key] = item
+    return _with_shipped_paths(_build(Recipe, raw, _Source(path, overridden)))
 
 
 def _with_shipped_paths(recipe: Recipe) -> Recipe:
@@ -240,11 +256,35 @@ def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
     return dataclasses.asdict(recipe)
 
 
+def sections() -> dict[str, list[str]]:
+    """The recipe's sections and their keys, in order: {"model": ["path", "tokenizer", ...], ...}."""
+    hints = typing.get_type_hints(Recipe)
+    return {name: _field_names(hints[name]) for name in _field_names(Recipe)}
+
+
 def _field_names(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
-def _build(cls: type, raw: dict, source: str, prefix: str = ""):
+@dataclass
+class _Source:
+    """Where the values of a recipe were written: the YAML file, and the overrides given on the command line."""
+
+    path: str
+    overridden: dict[str, str]
+
+    def of(self, dotted: str) -> str:
+        """What an error about `dotted` blames: the override that set it, else the recipe file."""
+        item = self.overridden.get(dotted)
+        return f"command-line override {item!r}" if item else self.path
+
+    def of_message(self, message: str) -> str:
+        """What an error of a check across keys blames: the recipe file, with the overrides the message names."""
+        named = [item for key, item in self.overridden.items() if "." in key and key in message]
+        return f"{self.path} with command-line override {', '.join(map(repr, named))}" if named else self.path
+
+
+def _build(cls: type, raw: dict, source: _Source, prefix: str = ""):
     hints = typing.get_type_hints(cls)
     names = _field_names(cls)
     kwargs = {}
@@ -253,18 +293,19 @@ def _build(cls: type, raw: dict, source: str, prefix: str = ""):
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""
-            raise ConfigError(f"{source}: unknown key {dotted!r}.{hint} Valid keys: {', '.join(prefix + n for n in names)}")
+            raise ConfigError(f"{source.of(dotted)}: unknown key {dotted!r}.{hint} "
+                              f"Valid keys: {', '.join(prefix + n for n in names)}")
         hint_type = hints[key]
         if dataclasses.is_dataclass(hint_type):
             if not isinstance(value, dict):
-                raise ConfigError(f"{source}: {dotted!r} must be a mapping of {', '.join(_field_names(hint_type))}")
+                raise ConfigError(f"{source.path}: {dotted!r} must be a mapping of {', '.join(_field_names(hint_type))}")
             kwargs[key] = _build(hint_type, value, source, prefix=f"{dotted}.")
         else:
-            kwargs[key] = _coerce(value, hint_type, dotted, source)
+            kwargs[key] = _coerce(value, hint_type, dotted, source.of(dotted))
     try:
         return cls(**kwargs)
     except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from None
+        raise ConfigError(f"{source.of_message(str(e))}: {e}") from None
 
 
 def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
@@ -273,6 +314,14 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
+        named = [v for a in inner[1:] if get_origin(a) is Literal for v in get_args(a)]  # beside a number: `auto`
+        if isinstance(value, str) and named:
+            if value in named:
+                return value
+            try:
+                return _coerce(value, inner[0], key, source)
+            except ConfigError:
+                raise ConfigError(f"{source}: {key} must be a number or one of: {', '.join(named)}; got {value!r}") from None
         return _coerce(value, inner[0], key, source)
     if origin is Literal:
         if value not in args:

@@ -11,7 +11,10 @@ import datetime
 import os
 import socket
 import sys
+import time
 from typing import TYPE_CHECKING
+
+from finetune import logs
 
 # torch and deepspeed are imported inside the functions that use them: the launcher (finetune/multinode) and the
 # tokenizer worker processes (finetune/data/cache.py) import this module and must start without them.
@@ -70,11 +73,12 @@ def init(timeout_minutes: float = 30.0) -> None:
         if world_size() > 1:
             raise RuntimeError("WORLD_SIZE > 1 but MASTER_PORT is not set: start the job with `deepspeed` or `zerotune launch`")
         os.environ["MASTER_PORT"] = str(free_port())
-    deepspeed.init_distributed(
-        dist_init_required=True,
-        auto_mpi_discovery=False,
-        timeout=datetime.timedelta(minutes=timeout_minutes),
-    )
+    with logs.quiet_stdout():  # DeepSpeed prints its CPU shm op's build line on every rank
+        deepspeed.init_distributed(
+            dist_init_required=True,
+            auto_mpi_discovery=False,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
     accelerator = deepspeed.get_accelerator()
     if accelerator.device_name() != "cpu":
         accelerator.set_device(local_rank())
@@ -180,6 +184,20 @@ def exit_process(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+# How long a rank other than local rank 0 holds back an error every rank meets: a launcher (deepspeed, mpirun, srun)
+# stops the whole job as soon as local rank 0 exits with it, so the error is printed once.
+QUIET_EXIT_DELAY_S = 10.0
+
+
+def report_error(message: str) -> None:
+    """Print `zerotune: error: MESSAGE` once per node for an error every rank meets alike (a recipe checked before
+    any process group exists): local rank 0 at once; another rank only if it is still running QUIET_EXIT_DELAY_S
+    later, i.e. when no launcher ended the job for local rank 0, which then did not meet the error."""
+    if local_rank() != 0:
+        time.sleep(QUIET_EXIT_DELAY_S)
+    print(f"zerotune: error: {message}", file=sys.stderr, flush=True)
 
 
 def print0(*args, **kwargs) -> None:

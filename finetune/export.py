@@ -1,16 +1,20 @@
 """Export a trained model: an HF folder (sharded safetensors) for full runs, a LoRA adapter, or LoRA merged into the base.
 
     export_module(engine.module, "runs/x/export", tokenizer, lora=True)          # inside training, every rank calls it
-    zerotune export runs/x --out /tmp/merged --merge                           # offline, from a checkpoint
+    zerotune export runs/x --out /tmp/merged --merge                           # offline, from a finished run
 
-Parameters are gathered one decoder layer at a time (ZeRO-3 `GatheredParameters`), copied to CPU by rank 0 and
-written in shards, so no rank ever holds the whole model at once. The folder is written under `<out>.tmp` and
-renamed into place when complete.
+`zerotune export RUN` takes the run's newest complete checkpoint, else its final export (RUN/export, written at the end
+of training while train.export is on: the HF model of a full run, the adapter of a LoRA run), so a run trained with
+train.save_every=0 exports too. Parameters are gathered one decoder layer at a time (ZeRO-3 `GatheredParameters`),
+copied to CPU by rank 0 and written in shards, so no rank ever holds the whole model at once. The folder is written
+under `<out>.tmp` and renamed into place when complete; its tokenizer loads with AutoTokenizer and carries the chat
+template the run trained on (finetune/export_tokenizer.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -25,11 +29,12 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 from safetensors.torch import save_file
 
 from finetune import dist
-from finetune.checkpoint import ENGINE_TAG, MARKER, resolve_resume
+from finetune.checkpoint import ENGINE_TAG, MARKER, STEP_DIR, complete_checkpoints, find_latest
 from finetune.config import ConfigError, load_recipe
 from finetune.data.tokenizer import load_tokenizer
 from finetune.ds_config import bf16_enabled, zero_stage
-from finetune.model import build_model
+from finetune.export_tokenizer import write_tokenizer
+from finetune.model import build_model, has_weights
 
 SHARD_BYTES = 2 * 2**30
 LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -120,7 +125,7 @@ def export_module(module, out: str, tokenizer, lora: bool, merge: bool = False, 
             config = base.config
             config.use_cache = True
             config.save_pretrained(tmp)
-        tokenizer.save(tmp)
+        write_tokenizer(tokenizer, tmp)
         shutil.rmtree(out, ignore_errors=True)
         os.rename(tmp, out)
     dist.barrier()
@@ -151,6 +156,8 @@ def export_checkpoint(checkpoint_path: str, out: str, merge: bool) -> str:
     with open(os.path.join(checkpoint_path, MARKER)) as f:
         meta = json.load(f)
     recipe, ds = meta["recipe"], meta["ds_config"]
+    if merge and not recipe["lora"]["enabled"]:
+        raise ConfigError(_nothing_to_merge(checkpoint_path))
     tmp_recipe = os.path.join(os.path.dirname(checkpoint_path), f".export-recipe-{os.getpid()}.yaml")
     with open(tmp_recipe, "w") as f:
         yaml.safe_dump(recipe, f)
@@ -173,21 +180,101 @@ def export_checkpoint(checkpoint_path: str, out: str, merge: bool) -> str:
     return export_module(model, out, tokenizer, r.lora.enabled, merge=merge, dtype=dtype)
 
 
+def export_final(run_dir: str, out: str, merge: bool) -> str:
+    """The run's final export (RUN/export) copied to `out`; with `merge`, its LoRA adapter merged into the base model
+    the run trained on (model.path of RUN/recipe.yaml), in the run's dtype."""
+    src = os.path.join(run_dir, "export")
+    lora = os.path.isfile(os.path.join(src, "adapter_config.json"))
+    if merge and not lora:
+        raise ConfigError(_nothing_to_merge(src))
+    if os.path.realpath(out) == os.path.realpath(src):
+        raise ConfigError(f"--out {out!r} is the run's export itself: choose another folder")
+    if not merge:
+        tmp = f"{out}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src, tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        os.rename(tmp, out)
+        return out
+    r, ds = _run_recipe(run_dir)
+    if r.model.random_init or not has_weights(r.model.path):
+        raise ConfigError(f"{src!r}: the run's base model {r.model.path!r} has no weights (it was a random init), so "
+                          f"the adapter cannot be merged into the base it trained on; export a checkpoint instead "
+                          f"(train.save_every > 0)")
+    # Lazy: peft is slow to import and only a merge of an adapter folder needs it here.
+    from peft import PeftModel
+
+    plain = {"bf16": {"enabled": False}, "zero_optimization": {"stage": 0}}
+    base, _ = build_model(r.model, dataclasses.replace(r.lora, enabled=False), plain)
+    model = PeftModel.from_pretrained(base, src)
+    tokenizer = load_tokenizer(r.model.tokenizer or r.model.path)
+    dtype = torch.bfloat16 if bf16_enabled(ds) else torch.float32
+    return export_module(model, out, tokenizer, lora=True, merge=True, dtype=dtype)
+
+
+def _run_recipe(run_dir: str):
+    """The recipe and DeepSpeed JSON a run folder was trained with (train.py writes both at its start)."""
+    recipe_file, ds_file = os.path.join(run_dir, "recipe.yaml"), os.path.join(run_dir, "ds_config.json")
+    for path in (recipe_file, ds_file):
+        if not os.path.isfile(path):
+            raise ConfigError(f"{path!r} is missing: a run writes it at its start, and a merge needs it to rebuild "
+                              f"the base model")
+    with open(ds_file) as f:
+        ds = json.load(f)
+    return load_recipe(recipe_file, ["model.activation_checkpointing=none"]), ds
+
+
+def _nothing_to_merge(what: str) -> str:
+    return (f"--merge: {what!r} is a full fine-tune (lora.enabled=false): its weights are the whole model and there "
+            f"is no adapter to merge; export it without --merge")
+
+
+def _source(run_dir: str, step: int | None) -> tuple[str, bool]:
+    """(the checkpoint to export, True), or (the run folder, False) when its final export is what there is."""
+    if not os.path.isdir(run_dir):
+        raise ConfigError(f"{run_dir!r} does not exist: give a run folder (train.output_dir) or one of its "
+                          f"checkpoints/step_* folders")
+    if step is not None:
+        path = os.path.join(run_dir, "checkpoints", f"step_{step:08d}")
+        if not os.path.isfile(os.path.join(path, MARKER)):
+            steps = [s for s, _ in complete_checkpoints(run_dir)]
+            raise ConfigError(f"--step {step}: {run_dir!r} has no complete checkpoint of that step (complete "
+                              f"checkpoints: {', '.join(map(str, steps)) or 'none'})")
+        return path, True
+    if STEP_DIR.match(os.path.basename(os.path.normpath(run_dir))):
+        if not os.path.isfile(os.path.join(run_dir, MARKER)):
+            raise ConfigError(f"{run_dir!r} is not a complete checkpoint (no {MARKER}: its save never finished); "
+                              f"give the run folder to take its newest complete one")
+        return run_dir, True
+    latest = find_latest(run_dir)
+    if latest is not None:
+        return latest, True
+    if os.path.isdir(os.path.join(run_dir, "export")):
+        return run_dir, False
+    if any(os.path.isfile(os.path.join(run_dir, f)) for f in ("adapter_config.json", "config.json")):
+        raise ConfigError(f"{run_dir!r} is already an exported model (AutoModelForCausalLM or peft load it as it "
+                          f"is); to copy or merge it, give its run folder, the folder above it")
+    raise ConfigError(f"{run_dir!r} has neither a complete checkpoint (checkpoints/step_*/{MARKER}) nor a final "
+                      f"export (export/): a run writes export/ when it finishes (train.export=true) and "
+                      f"checkpoints every train.save_every steps; give the folder of a finished run")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="zerotune export", description=__doc__.splitlines()[0])
-    p.add_argument("run_dir", help="a run folder (its newest complete checkpoint) or a checkpoint folder")
+    p.add_argument("run_dir", help="a run folder (its newest complete checkpoint, else its final export/) or a "
+                                   "checkpoint folder")
     p.add_argument("--step", type=int, default=None, help="export the checkpoint of this step")
     p.add_argument("--out", required=True, help="folder to write")
     p.add_argument("--merge", action="store_true", help="LoRA runs: write the base model with the adapters merged in")
     args = p.parse_args(argv)
     try:
-        if args.step is not None:
-            path = os.path.join(args.run_dir, "checkpoints", f"step_{args.step:08d}")
-            path = resolve_resume(path, args.run_dir)
+        path, is_checkpoint = _source(args.run_dir, args.step)
+        if is_checkpoint:
+            done, origin = export_checkpoint(path, args.out, args.merge), path
         else:
-            path = resolve_resume(args.run_dir, args.run_dir)
+            done, origin = export_final(path, args.out, args.merge), os.path.join(path, "export")
     except ConfigError as e:
         print(f"zerotune: error: {e}", file=sys.stderr)
         return 2
-    print(f"exported {export_checkpoint(path, args.out, args.merge)} from {path}")
+    print(f"exported {done} from {origin}")
     return 0

@@ -1,6 +1,7 @@
 """Everything a run checks before any process group or model exists: the recipe, the DeepSpeed JSON, the model
-folder, the tokenizer and data, the run folder and the checkpoint to resume. A mistake here is a ConfigError that
-says what to fix, raised on every rank before any of them starts work.
+folder, the tokenizer and data, the run folder (whose lock rank 0 takes: finetune/runlock.py) and the checkpoint to
+resume (against the recipe it was trained with: finetune/resume_check.py). A mistake here is a ConfigError that says
+what to fix, raised on every rank before any of them starts work.
 
     run = prepare("recipes/tiny.yaml", "ds_configs/zero2.json", ["train.max_steps=20"]); train(run)
 """
@@ -9,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
-from finetune import checkpoint, dist
-from finetune.config import ConfigError, Recipe, load_recipe, recipe_to_dict
+from finetune import checkpoint, dist, resume_check, runlock
+from finetune.config import ConfigError, Recipe, load_recipe, recipe_to_dict, sections
 from finetune.data.registry import get_format, load_plugins
 from finetune.data.tokenizer import load_tokenizer
 from finetune.ds_config import emulated_bf16_note, resolve_ds_config, zero_stage
@@ -35,17 +37,34 @@ class Run:
     """The memory plan (finetune.memory.budget.MemoryPlan) when train.gpu_memory_gib or --deepspeed auto chose the settings."""
 
     def resolved_config(self) -> dict[str, Any]:
-        """The recipe and DeepSpeed JSON as resolved, as checkpoints and the metric back-ends keep them."""
-        return {"recipe": recipe_to_dict(self.recipe), "ds_config": self.ds}
+        """The recipe, DeepSpeed JSON and model shape as resolved, as checkpoints and the metric back-ends keep them
+        (a resume compares them: finetune/resume_check.py)."""
+        return {"recipe": recipe_to_dict(self.recipe), "ds_config": self.ds,
+                "model_config": resume_check.shape(self.model_config)}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="finetune/main.py", description="Fine-tune Mistral with DeepSpeed ZeRO.")
-    p.add_argument("--deepspeed", metavar="PATH", default="ds_configs/zero3.json",
-                   help="DeepSpeed JSON (ds_configs/), or `auto`: the fastest that fits train.gpu_memory_gib (or this GPU)")
-    p.add_argument("--config", metavar="PATH", default=None, help="YAML recipe (default recipes/mistral7b_lora.yaml)")
+    """`zerotune train` / `deepspeed ... finetune/main.py` arguments; --help lists the recipe's sections and keys."""
+    usage = ("zerotune train [--config RECIPE] [--deepspeed DS_JSON] [--verbose] [section.key=value ...]\n"
+             "       deepspeed --num_gpus N finetune/main.py [the same arguments]")
+    keys = "\n".join(textwrap.fill(", ".join(names), width=100, initial_indent=f"  {section:<7}",
+                                   subsequent_indent=" " * 9) for section, names in sections().items())
+    epilog = (f"recipe sections and their keys (each key, its default and what it does: docs/configuration.md):\n"
+              f"{keys}\n\nexample: zerotune train --config tiny --deepspeed zero3 train.max_steps=20 lora.rank=8")
+    p = argparse.ArgumentParser(prog="zerotune train", usage=usage, epilog=epilog,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description="Fine-tune Mistral with DeepSpeed ZeRO: the recipe says what to train, the "
+                                            "DeepSpeed JSON how the engine shards it.")
+    p.add_argument("--deepspeed", metavar="DS_JSON", default="ds_configs/zero3.json",
+                   help="DeepSpeed JSON (a path, or a shipped name: zero2, zero3, ...), or `auto`: the fastest that fits "
+                        "train.gpu_memory_gib (or this GPU) (default ds_configs/zero3.json)")
+    p.add_argument("--config", metavar="RECIPE", default=None,
+                   help="YAML recipe (a path, or a shipped name: tiny, ...) (default recipes/mistral7b_lora.yaml)")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print DeepSpeed's INFO logging and library warnings (the same as ZEROTUNE_LOG=info)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="change one recipe key, e.g. train.max_steps=20 (values are YAML: 5e-3, true, [q_proj, v_proj])")
     return p.parse_args(argv)
 
 
@@ -65,12 +84,31 @@ def prepare(config: str | None, deepspeed_json: str, overrides: list[str]) -> Ru
     if note := emulated_bf16_note(ds):
         dist.print0(note)
     out = recipe.train.output_dir
-    # Other ranks may be probing the folder right now (check_output_dir's .write-test-* files): not content.
-    content = [f for f in os.listdir(out) if not f.startswith(checkpoint.WRITE_PROBE)] if os.path.isdir(out) else []
+    # Global rank 0 holds the folder for the run's life, before anything is read from or written to it: a second run
+    # into it (fresh or resumed) stops here, having touched nothing. A failed check below gives the lock back at once.
+    lock = runlock.acquire(out) if dist.is_main() else None
+    try:
+        run = _check_output_and_resume(recipe, ds, model_config, plan)
+    except Exception:
+        if lock is not None:
+            lock.release()
+        raise
+    return run
+
+
+def _check_output_and_resume(recipe: Recipe, ds: dict[str, Any], model_config: dict[str, Any], plan: Any) -> Run:
+    """The run folder's checks (not empty unless resumed or overwritten, writable, room for a checkpoint) and the
+    checkpoint to resume, checked against this recipe."""
+    out = recipe.train.output_dir
+    # Not content: other ranks' probes of the folder (check_output_dir's .write-test-* files) and the run's lock.
+    content = [f for f in os.listdir(out) if not f.startswith(checkpoint.WRITE_PROBE) and f != runlock.LOCK_FILE
+               ] if os.path.isdir(out) else []
     if content and not (recipe.train.overwrite or recipe.train.resume):
         raise ConfigError(f"train.output_dir {out!r} is not empty: choose a new one, pass train.resume=auto to "
                           f"continue it, or train.overwrite=true")
     resume_from = checkpoint.resolve_resume(recipe.train.resume, out)
+    run = Run(recipe, ds, model_config, resume_from, plan)
+    changed = resume_check.check(resume_from, run.resolved_config()) if resume_from else []
     if resume_from and zero_stage(ds) == 3 and checkpoint.saved_world_size(resume_from) != dist.world_size():
         # DeepSpeed 0.19.8's universal conversion of a ZeRO-3 checkpoint restores the weights exactly but not Adam's
         # state, so the loss curve drifts (docs/benchmarks/2026-11-30-cpu-zero3-resume.md); ZeRO-1/2 continue on it.
@@ -80,8 +118,13 @@ def prepare(config: str | None, deepspeed_json: str, overrides: list[str]) -> Ru
             f"reshard exactly to {dist.world_size()} rank(s) (ZeRO-1/2 checkpoints do)")
     lora_fraction = 0.01 if recipe.lora.enabled else None
     needed = checkpoint.estimate_checkpoint_bytes(model_config, lora_fraction) if recipe.train.save_every > 0 else 0
-    checkpoint.check_output_dir(out, needed)
-    return Run(recipe, ds, model_config, resume_from, plan)
+    # Room for train.keep_last complete checkpoints beside the one being written (every checkpoint of the run when
+    # keep_last=0), less those already there: checkpoint.new_checkpoints_at_once.
+    checkpoint.check_output_dir(out, needed, *checkpoint.checkpoints_to_fit(recipe.train, resume_from))
+    if changed:
+        dist.print0(f"resuming {resume_from} with these settings changed (none alters the parameters):\n"
+                    f"{resume_check.table(changed)}")
+    return run
 
 
 def _check_tokenizer_and_data(recipe: Recipe) -> None:

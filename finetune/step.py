@@ -26,6 +26,7 @@ from finetune.metrics import peak_memory_gib, peak_reserved_gib, peak_tflops, tr
 from finetune.optim import clip_grad_norm_exact
 from finetune.perf.profiling import phase, step_profiler
 from finetune.prepare import Run
+from finetune.progress import PROGRESS
 
 
 class TrainingError(RuntimeError):
@@ -82,8 +83,10 @@ def train_step(loop: Loop, step: int, upcoming: tuple | None) -> tuple[StepResul
     as the previous call returned it (None for the first step of a run)."""
     r, engine = loop.run.recipe, loop.engine
     start = time.perf_counter()
+    PROGRESS.start_step(step + 1)
     lr = loop.optimizer.param_groups[0]["lr"]
     if upcoming is None:
+        PROGRESS.mark("data")
         micro_batches = loop.loader.step(step)
         n_targets = float(dist.all_reduce_sum(_target_count(micro_batches)))
     else:
@@ -93,10 +96,12 @@ def train_step(loop: Loop, step: int, upcoming: tuple | None) -> tuple[StepResul
     with step_profiler(step + 1 == r.train.profile_step, r.train.output_dir, step + 1, dist.is_main()):
         for i, mb in enumerate(micro_batches):
             with phase("forward"):
+                PROGRESS.mark("forward", i)
                 token_sum = micro_batch_loss_sum(engine, mb, loop.device, r.model.fused_loss)
                 losses.append(token_sum.detach())
                 watch = NonfiniteWatch(losses) if i == len(micro_batches) - 1 else None
             with phase("backward"):
+                PROGRESS.mark("backward", i)
                 # DeepSpeed divides by grad_accum and averages over ranks; undo both so the step's gradient is
                 # sum(token losses of the whole global batch) / (its number of target tokens).
                 engine.backward(token_sum * (loop.world * r.train.grad_accum / max(n_targets, 1.0)))
@@ -106,17 +111,20 @@ def train_step(loop: Loop, step: int, upcoming: tuple | None) -> tuple[StepResul
                 if watch is not None and watch.found():
                     _stop_on_nonfinite(engine, loop.run, step, micro_batches, losses)
             with phase("optimizer step"):
+                PROGRESS.mark("optimizer step", i)
                 if loop.own_clipping and engine.is_gradient_accumulation_boundary():
                     grad_norm = clip_grad_norm_exact(engine.module.parameters(), r.optim.grad_clip)
                 engine.step()
     # The host is ahead of the device here (the optimizer step is still running there): build the next step's
     # micro-batches now, and reduce their target count with this step's sums in one collective, so the next
     # step's first kernel follows this step's last without the device waiting for the host.
+    PROGRESS.mark("data")
     following = loop.loader.step(step + 1) if step + 1 < loop.end_step else None
     lengths = [int(n) for mb in micro_batches for n in mb["sample_lengths"]]
     local = torch.tensor([sum(lengths), training_flops(engine.module.config, lengths), _target_count(following or [])],
                          dtype=torch.float64, device=losses[0].device)
     loss_sum = torch.stack(losses).double().sum().reshape(1)
+    PROGRESS.mark("step sums")
     loss_sum, tokens, flops, next_targets = dist.all_reduce_sum(torch.cat([loss_sum, local])).tolist()
     seconds = time.perf_counter() - start
     if not loop.own_clipping:
@@ -201,8 +209,9 @@ def evaluate(engine, data, recipe: Recipe, world: int, rank: int, pad_id: int, d
     total = torch.zeros((), dtype=torch.float64)
     count = 0
     with torch.no_grad():
-        for mb in eval_micro_batches(data, recipe.train.micro_batch_size, world, rank, recipe.data.max_seq_len,
-                                     recipe.data.packing, pad_id):
+        for i, mb in enumerate(eval_micro_batches(data, recipe.train.micro_batch_size, world, rank,
+                                                  recipe.data.max_seq_len, recipe.data.packing, pad_id)):
+            PROGRESS.mark("eval", i)  # each micro-batch is progress: an eval may take many steps' time
             logits = engine(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device)).logits
             s, n = token_loss_sum(logits, mb["targets"].to(device))  # eval keeps the plain path: no backward
             total += s.double().cpu()

@@ -9,6 +9,7 @@ the eval pass in finetune/step.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -20,9 +21,9 @@ import deepspeed
 import torch
 import yaml
 
-from finetune import checkpoint, dist, perf
+from finetune import checkpoint, dist, logs, perf, runlock, watchdog
 from finetune.config import ConfigError, recipe_to_dict
-from finetune.data import build_datasets
+from finetune.data import ReportedElsewhere, build_datasets
 from finetune.data.loader import StepLoader
 from finetune.data.samples import TokenizedData
 from finetune.data.tokenizer import load_tokenizer
@@ -34,6 +35,7 @@ from finetune.metrics import METRICS_FILE, MetricsLog, truncate_metrics
 from finetune.model import build_model, trainable_parameters
 from finetune.optim import build_optimizer
 from finetune.prepare import Run, parse_args, prepare
+from finetune.progress import PROGRESS
 from finetune.step import Loop, TrainingError, evaluate, step_record, train_step
 
 # What callers import from here, though defined beside it (prepare: the checks before any process group; step: the
@@ -46,39 +48,54 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
 
     `on_end(engine)`, if given, runs on every rank after the last step, while the engine still holds the model.
     """
-    # 1. Initial setup: the process group, this rank's seed, the resolved config in the run folder
-    _setup(run)
-    # 2. Data: tokenized once into the cache the ranks share; the loader makes any step's micro-batches
-    tokenizer, loader, eval_data = _load_data(run)
-    # 3. Model, and its speed-ups before the optimizer sees its parameters
+    # 1. Initial setup: the process group, this rank's seed; nothing is written to the run folder yet
+    cache_before = _setup(run)
+    # 2. Data: read, checked and tokenized once into the cache the ranks share; the loader makes any step's
+    #    micro-batches. A data error ends every rank here, with the run folder as it was found.
+    tokenizer, loader, eval_data = _load_data(run, cache_before)
+    # 3. The run folder: the resolved config, metrics.jsonl cut back to the checkpoint it resumes
+    _write_run_files(run)
+    # 4. Model, and its speed-ups before the optimizer sees its parameters
     model, keepalive = build_model(run.recipe.model, run.recipe.lora, run.ds)
     applied = perf.apply(model, run.recipe, run.ds)
     _report_model(run, model)
-    # 4. Optimizer, schedule and DeepSpeed engine, and the engine's speed-ups
+    # 5. Optimizer, schedule and DeepSpeed engine, and the engine's speed-ups
     engine, optimizer, scheduler = _build_engine(run, model)
     applied += perf.apply_engine(engine, run.recipe)
     _report_speedups(run, applied)
-    # 5. Resume: the checkpoint's engine, optimizer, schedule and RNG; its step is the data position
+    # 6. Resume: the checkpoint's engine, optimizer, schedule and RNG; its step is the data position
     start_step = _resume(run, engine, optimizer, scheduler)
-    # 6. Train: the steps, with metrics, eval and checkpoints at their cadence
+    # 7. Train: the steps, with metrics, eval and checkpoints at their cadence; 8. End: the last sample, the export
+    #    and on_end. The stall watchdog watches both: a rank that hangs ends the run, named (finetune/watchdog.py).
     loop = Loop(run, engine, optimizer, loader, eval_data, tokenizer)
-    records, samples = _train_loop(loop, start_step)
-    # 7. End: the last sample, the export and on_end; then the engine is released
-    _finish(loop, samples, on_end)
+    with watchdog.watching(run.recipe.train.output_dir, run.recipe.train.stall_timeout_s):
+        records, samples = _train_loop(loop, start_step)
+        _finish(loop, samples, on_end)
+    # 9. Release: the engine, zero.Init's hold on transformers, the NVMe swap files
     _release(engine, keepalive)
     _remove_swap(run.ds)
     return records
 
 
-def _setup(run: Run) -> None:
-    """Join the process group, cap GPU memory, seed this rank; rank 0 writes the resolved config into the run folder
-    and cuts metrics.jsonl back to the checkpoint it resumes."""
+def _setup(run: Run) -> set[str] | None:
+    """Join the process group, cap GPU memory, seed this rank. Returns the entries of the run's tokenization cache
+    (output_dir/.cache) before this run (None: no cache yet), so that a data error can remove what this run added."""
     t = run.recipe.train
+    watchdog.enable_flight_recorder(t.stall_timeout_s)  # read by torch when the process group starts
     dist.init()
-    dist.barrier()  # every rank has checked the output dir (prepare) before rank 0 writes into it
+    cache_dir = os.path.join(t.output_dir, ".cache")
+    cache_before = set(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else None
+    dist.barrier()  # every rank has checked the output dir (prepare) and its cache before any rank writes into them
     if t.gpu_memory_gib and enforce(t.gpu_memory_gib):
         dist.print0(f"GPU memory capped at {t.gpu_memory_gib:g} GiB per GPU (train.gpu_memory_gib)")
     torch.manual_seed(t.seed + dist.rank())
+    return cache_before
+
+
+def _write_run_files(run: Run) -> None:
+    """Rank 0 writes the resolved config (and the memory plan) into the run folder and cuts metrics.jsonl back to the
+    checkpoint it resumes: after the data is known to be good, so a data error leaves the folder as it was."""
+    t = run.recipe.train
     os.makedirs(t.output_dir, exist_ok=True)
     if dist.is_main():
         with open(os.path.join(t.output_dir, "recipe.yaml"), "w") as f:
@@ -92,15 +109,46 @@ def _setup(run: Run) -> None:
         truncate_metrics(os.path.join(t.output_dir, METRICS_FILE), keep_until=resumed)
 
 
-def _load_data(run: Run) -> tuple[Any, StepLoader, TokenizedData | None]:
-    """The tokenizer, this rank's loader of training micro-batches for any step, and the eval data (or None)."""
+def _load_data(run: Run, cache_before: set[str] | None) -> tuple[Any, StepLoader, TokenizedData | None]:
+    """The tokenizer, this rank's loader of training micro-batches for any step, and the eval data (or None).
+
+    A data error (a DataError names the file, the line and what to fix) stops every rank: the lowest rank that found
+    it raises it, the others raise ReportedElsewhere, and the cache entries this run added are removed.
+    """
     r, t = run.recipe, run.recipe.train
     tokenizer = load_tokenizer(r.model.tokenizer or r.model.path)
-    train_data, eval_data, report = build_datasets(r.data, tokenizer, t.seed, os.path.join(t.output_dir, ".cache"))
+    cache_dir = os.path.join(t.output_dir, ".cache")
+    error = None
+    try:
+        train_data, eval_data, report = build_datasets(r.data, tokenizer, t.seed, cache_dir)
+    except Exception as e:  # whatever it is, every rank joins the all-reduce below, or the others would wait in it
+        error = e
+    # Which rank reports (the lowest whose own data check failed) and whether any failed, in one collective.
+    world = dist.world_size()
+    own = isinstance(error, ConfigError) and not isinstance(error, ReportedElsewhere)
+    reporter, failed = dist.all_reduce_max_each([world - dist.rank() if own else 0, 1.0 if error else 0.0])
+    if failed:
+        if dist.local_rank() == 0:  # the rank of each node that writes the cache
+            _remove_new_cache_entries(cache_dir, cache_before)
+        if error is not None and (not own or dist.rank() == world - reporter):
+            raise error
+        raise ReportedElsewhere("the data error is reported by another rank")
     dist.print0(f"data: {report.summary()}")
     loader = StepLoader(train_data, t.micro_batch_size, t.grad_accum, dist.world_size(), dist.rank(),
                         r.data.max_seq_len, r.data.packing, t.seed, tokenizer.pad_id, shuffle=r.data.shuffle)
     return tokenizer, loader, eval_data
+
+
+def _remove_new_cache_entries(cache_dir: str, before: set[str] | None) -> None:
+    """Remove the cache folder if this run created it, else only the entries this run added to it."""
+    if before is None:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        return
+    added = set(os.listdir(cache_dir)) - before if os.path.isdir(cache_dir) else set()
+    for name in added:
+        # Never in the way of the data error being reported; on a shared filesystem another node may remove it first.
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(cache_dir, name))
 
 
 def _report_model(run: Run, model) -> None:
@@ -156,19 +204,25 @@ def _train_loop(loop: Loop, start_step: int) -> tuple[list[dict[str, Any]], list
     upcoming = None  # the next step's micro-batches and global target count, made while the device ends this step
     for step in range(start_step, loop.end_step):
         result, upcoming = train_step(loop, step, upcoming)
+        PROGRESS.step_done(step + 1, result.seconds)
         records.append(step_record(step + 1, result, loop.world, loop.peak_tflops))
         log.write(records[-1])
         if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
             log.progress(records[-1])
         last = step + 1 == loop.end_step
         if loop.eval_data is not None and ((t.eval_every and (step + 1) % t.eval_every == 0) or last):
+            PROGRESS.mark("eval")
             eval_loss = evaluate(engine, loop.eval_data, run.recipe, loop.world, loop.rank, loop.tokenizer.pad_id,
                                  loop.device)
             records.append({"step": step + 1, "eval_loss": eval_loss})
             log.write(records[-1])
             dist.print0(f"eval at step {step + 1}: loss {eval_loss:.4f}")
         if t.save_every > 0 and ((step + 1) % t.save_every == 0 or last):
-            path = checkpoint.save(engine, t.output_dir, step + 1, t.keep_last, run.resolved_config())
+            PROGRESS.mark("save")
+            try:
+                path = checkpoint.save(engine, t.output_dir, step + 1, t.keep_last, run.resolved_config())
+            except checkpoint.SaveError as e:  # raised on every rank alike (a full disk): the run ends, exit 3
+                raise TrainingError(str(e)) from None
             dist.print0(f"saved {path}")
     log.close()
     return records, samples
@@ -179,6 +233,7 @@ def _sample(loop: Loop, step: int) -> list[dict[str, Any]]:
     t = loop.run.recipe.train
     if not t.sample_prompt:
         return []
+    PROGRESS.mark("sample")
     text = answer(loop.engine.module, loop.tokenizer, t.sample_prompt, t.sample_max_new_tokens, synced_gpus=loop.synced)
     dist.print0(f"sample at step {step}: {t.sample_prompt!r} -> {text!r}")
     return [{"step": step, "prompt": t.sample_prompt, "answer": text}]
@@ -192,11 +247,14 @@ def _finish(loop: Loop, samples: list[dict[str, Any]], on_end) -> None:
         with open(os.path.join(t.output_dir, "samples.jsonl"), "w") as f:
             f.writelines(json.dumps(s) + "\n" for s in samples)
     if t.export:
+        PROGRESS.mark("export")
         path = export_engine(loop.engine, os.path.join(t.output_dir, "export"), loop.tokenizer,
                              loop.run.recipe.lora.enabled)
         dist.print0(f"exported {path}")
     if on_end is not None:
+        PROGRESS.mark("on_end")
         on_end(loop.engine)
+    PROGRESS.mark("finish")
     dist.barrier()
 
 
@@ -225,17 +283,26 @@ def _remove_swap(ds: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    logs.setup(args.verbose)
     dist.adopt_openmpi_env()  # under mpirun, WORLD_SIZE must be known before the DeepSpeed JSON is resolved
     try:
         run = prepare(args.config, args.deepspeed, args.overrides)
     except ConfigError as e:
-        print(f"zerotune: error: {e}", file=sys.stderr)
+        dist.report_error(str(e))  # every rank meets it: printed once, by local rank 0
         return 2
     try:
         train(run)
+    except ReportedElsewhere:
+        return 2  # another rank prints the data error, once
+    except ConfigError as e:
+        print(f"zerotune: error: {e}", file=sys.stderr)
+        return 2
     except TrainingError as e:
         print(f"zerotune: error: {e}", file=sys.stderr)
         return 3
     finally:
+        # Here too: finetune/main.py ends the process with os._exit, which skips atexit. Before shutdown's barrier:
+        # once a rank exits with an error, DeepSpeed's launcher stops the others, the lock holder among them.
+        runlock.release_all()
         dist.shutdown()
     return 0

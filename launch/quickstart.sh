@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
 # Install zerotune and train the tiny recipe under ZeRO-3 with 2 processes (2 CPU processes, or 2 GPUs when present),
 # then print a sample generation from the trained model. Run from the repository root: bash launch/quickstart.sh
+# Extra arguments are recipe overrides (train.max_steps=50); --verbose also prints DeepSpeed's own logging.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if command -v nvidia-smi >/dev/null 2>&1; then
-  pip install -q --no-build-isolation -e .                      # GPU machines keep the torch they have
+  pip install -q --no-build-isolation -e '.[plot]'                     # GPU machines keep the torch they have
 else
-  pip install -q torch==2.13.0                                  # the CPU build, alone first: deepspeed builds against it
-  pip install -q --no-build-isolation -c .ci/constraints.txt -e .   # the versions CI tests
+  pip install -q torch==2.13.0                                         # the CPU build, alone first: deepspeed builds against it
+  pip install -q --no-build-isolation -c .ci/constraints.txt -e '.[plot]'  # the versions CI tests
+  export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}                         # no GPU to look for, and no notice that none was found
 fi
-port=$(python -c 'from finetune.dist import free_port; print(free_port())')
+port=${MASTER_PORT:-$(python -c 'from finetune.dist import free_port; print(free_port())')}  # MASTER_PORT: choose it
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
 # bf16 on GPUs; fp32 on a CPU, where bf16 rounds differently with and without native support (and is slow if emulated)
 ds=$(python -c 'from finetune.ds_config import quickstart_ds_config; print(quickstart_ds_config())')
-deepspeed --num_gpus 2 --master_addr 127.0.0.1 --master_port "$port" \
-  finetune/main.py --deepspeed "$ds" --config recipes/tiny.yaml train.overwrite=true "$@"
+# The launcher's own INFO lines only with --verbose (the ranks read it from their arguments).
+log_level=error
+for arg in "$@"; do if [[ $arg == --verbose ]]; then log_level=info; fi; done
+# 200 steps: the tiny model then answers the sample prompt with its training text word for word, by a wide margin
+# (at the recipe's own 120 steps it can still mix up two of its training answers).
+deepspeed --log_level "$log_level" --num_gpus 2 --master_addr 127.0.0.1 --master_port "$port" \
+  finetune/main.py --deepspeed "$ds" --config recipes/tiny.yaml train.overwrite=true \
+  train.max_steps=200 train.log_every=50 train.sample_max_new_tokens=24 "$@"

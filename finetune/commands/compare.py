@@ -3,9 +3,10 @@
     zerotune compare --config recipes/tiny.yaml --stages 0 1 2 3 --steps 10 --gpus 2 --out runs/compare
 
 Each stage is a real `deepspeed` launch of finetune/main.py with ds_configs/zero{stage}.json (and zero{2,3}_offload.json
-with --offload) on 127.0.0.1, its run folder DIR/<name>. DIR gets summary.md, summary.json, throughput_memory.png and
-loss_curves.png. A stage whose losses differ from the first stage's by more than the tolerance is flagged: every stage
-trains the same model on the same data in the same order, so its losses must agree up to rounding.
+with --offload) on 127.0.0.1, its run folder DIR/<name>. DIR gets summary.md and summary.json, then
+throughput_memory.png and loss_curves.png (skipped with a note without matplotlib, the `plot` extra). A stage whose
+losses differ from the first stage's by more than the tolerance is flagged: every stage trains the same model on the
+same data in the same order, so its losses must agree up to rounding.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 from typing import Any
 
 from finetune import dist, shipped
-from finetune.commands.plot import plot_runs, plot_throughput_memory
+from finetune.commands.plot import INSTALL_HINT, MissingMatplotlib, plot_runs, plot_throughput_memory
 from finetune.config import ConfigError, load_recipe
 from finetune.ds_config import offloads_optimizer, zero_stage
 from finetune.memory.budget import describe_checkpointing
@@ -199,11 +200,38 @@ def write_summary(out: str, runs: list[dict[str, Any]], meta: dict[str, Any]) ->
             f"| {_fmt(r['peak_mem_gib'], '.2f')} | {_fmt(r['peak_reserved_gib'], '.2f')} | {_fmt(r.get('estimated_gib'), '.2f')} "
             f"| {_fmt(r['final_loss'], '.4f')} | {_fmt(r['max_loss_diff'], '.2e')} "
             f"| {'LOSS DIFFERS' if r['flagged'] else 'ok'} |")
-    plots = ("Plots: `throughput_memory.png`, `loss_curves.png` (drawn from the run folders listed under `plots` in "
-             "summary.json).")
+    if meta["plots"]:
+        plots = ("Plots: `throughput_memory.png`, `loss_curves.png` (drawn from the run folders listed under `plots` "
+                 "in summary.json).")
+    else:
+        plots = meta.get("plots_note", "Plots: none.")
     lines += ["", *meta["notes"], "", plots]
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def summarize(out: str, runs: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    """summary.md and summary.json first, so that nothing is lost if a plot cannot be drawn; then the plots (skipped
+    with a one-line note without matplotlib) and the summary again, naming them."""
+    finished = [r["run_dir"] for r in runs if not r.get("error")]
+    redraw = f"`zerotune plot {' '.join(finished)} --out {os.path.join(out, 'loss_curves.png')}`"
+    meta["plots_note"] = f"Plots: not drawn yet; {redraw} draws the loss curves." if finished else \
+        "Plots: none, no stage finished."
+    write_summary(out, runs, meta)
+    if not finished:
+        return
+    try:
+        plots = {"throughput_memory.png": plot_throughput_memory(runs, os.path.join(out, "throughput_memory.png"))}
+        # `zerotune plot`'s figure: loss, lr, tokens/s and memory per step, one colour per stage
+        drawn = plot_runs(finished, os.path.join(out, "loss_curves.png"))
+        plots["loss_curves.png"] = [d["run_dir"] for d in drawn]
+    except MissingMatplotlib:
+        meta["plots_note"] = f"Plots: not drawn, matplotlib is not installed: `{INSTALL_HINT}`, then {redraw}."
+        print(f"compare: plots skipped: matplotlib is not installed (`{INSTALL_HINT}` to get them)", file=sys.stderr)
+    else:
+        meta["plots"] = {k: {"runs": v} for k, v in plots.items()}
+        del meta["plots_note"]
+    write_summary(out, runs, meta)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,20 +299,12 @@ def main(argv: list[str] | None = None) -> int:
                      "so it is not comparable with the estimate, which counts accelerator memory only; MFU needs a known GPU.")
     notes.append("Estimated: finetune/memory/estimate.py for each run's resolved recipe.yaml and ds_config.json "
                  "(weights, gradients, optimizer states, activations, DeepSpeed buffers), to compare with peak allocated.")
-    finished = [r["run_dir"] for r in runs if not r.get("error")]
-    plots = {}
-    if finished:
-        plots["throughput_memory.png"] = plot_throughput_memory(runs, os.path.join(args.out, "throughput_memory.png"))
-        # `zerotune plot`'s figure: loss, lr, tokens/s and memory per step, one colour per stage
-        drawn = plot_runs(finished, os.path.join(args.out, "loss_curves.png"))
-        plots["loss_curves.png"] = [d["run_dir"] for d in drawn]
     meta = {"config": args.config or "recipes/mistral7b_lora.yaml", "overrides": args.overrides, "steps": args.steps,
             "skip_steps": args.skip_steps if args.steps > args.skip_steps else 0, "gpus": gpus, "tolerance": tolerance,
             "ranks": "GPUs" if cuda else "CPU processes",
             "reference": next((r["name"] for r in runs if not r.get("error")), None),
-            "init_model": init[0].partition("=")[2] if init else None, "notes": notes,
-            "plots": {k: {"runs": v} for k, v in plots.items()}}
-    write_summary(args.out, runs, meta)
+            "init_model": init[0].partition("=")[2] if init else None, "notes": notes, "plots": {}}
+    summarize(args.out, runs, meta)
     with open(os.path.join(args.out, "summary.md")) as f:
         print(f.read())
     flagged = [r["name"] for r in runs if r["flagged"]]

@@ -31,6 +31,13 @@ class PlotError(ValueError):
     """A run folder or output the user must fix; the message says how."""
 
 
+class MissingMatplotlib(PlotError):
+    """matplotlib is not installed: only the drawing needs it (the `plot` extra)."""
+
+
+INSTALL_HINT = "pip install 'zerotune[plot]'"
+
+
 def load_run(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     """{metrics key: [(step, value), ...]} from run_dir/metrics.jsonl; None values (e.g. MFU on CPU) are skipped."""
     path = os.path.join(run_dir, METRICS_FILE)
@@ -69,7 +76,7 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise PlotError("drawing plots needs matplotlib: `pip install matplotlib`") from None
+        raise MissingMatplotlib(f"drawing plots needs matplotlib: {INSTALL_HINT}") from None
     return plt
 
 

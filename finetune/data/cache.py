@@ -29,10 +29,15 @@ from finetune.config import ConfigError, DataConfig
 from finetune.data import registry, template
 from finetune.data.registry import Encoder, RecordError, get_format
 from finetune.data.samples import TokenizedData
-from finetune.data.sources import file_fingerprint, parse_raw, read_raw
+from finetune.data.sources import DataError, file_fingerprint, parse_raw, read_raw
 
 CHUNK_RECORDS = 256  # records per worker task: large enough to amortise pickling, small enough to spread a small file
 _COUNTS = ("records", "dropped_overlong", "truncated", "dropped_no_target")
+
+
+class ReportedElsewhere(DataError):
+    """Raised on the ranks that waited for a cache entry another rank failed to build: that rank holds the error
+    and reports it (finetune/train.py prints it once)."""
 
 
 @dataclass
@@ -85,7 +90,7 @@ class _ChunkEncoder:
             try:
                 sample = self.format_fn(record, self.encoder)
             except (RecordError, ValueError, TypeError, KeyError) as e:
-                raise ConfigError(f"{where}: {e}") from None
+                raise DataError(f"{where}: {e}") from None
             ids, labels = list(sample.input_ids), list(sample.labels)
             if len(ids) != len(labels):
                 raise ConfigError(f"{where}: format {self.format_name!r} returned {len(ids)} input_ids but "
@@ -164,10 +169,10 @@ def tokenize_file(path: str, cfg: DataConfig, tokenizer, report: DataReport, for
     for k in _COUNTS[1:]:
         setattr(report, k, getattr(report, k) + counts[k])
     if counts["records"] == 0:
-        raise ConfigError(f"{path}: the dataset is empty: no records found; point the recipe at a file with records")
+        raise DataError(f"{path}: the dataset is empty: no records found; point the recipe at a file with records")
     lengths = np.concatenate([r[2] for r in results])
     if len(lengths) == 0:
-        raise ConfigError(
+        raise DataError(
             f"{path}: all {counts['records']} records were dropped ({counts['dropped_overlong']} longer than "
             f"data.max_seq_len={cfg.max_seq_len}, {counts['dropped_no_target']} with no trained tokens): raise "
             f"data.max_seq_len, set data.overlong=truncate, or check data.format={name!r}"
@@ -256,7 +261,7 @@ def load_or_tokenize(path: str, cfg: DataConfig, tokenizer, cache_dir: str, repo
         # instead of hanging until the process-group timeout.
         failed = dist.all_reduce_max(0.0 if ok else 1.0)
     if failed:
-        raise ConfigError(f"{path}: tokenizing failed on the first rank of a node; its error is in that rank's log")
+        raise ReportedElsewhere(f"{path}: tokenizing failed on the first rank of a node; its error is in that rank's log")
     data = TokenizedData(*(np.load(f"{base}.{name}.npy", mmap_mode="r") for name in _ARRAYS))
     with open(f"{base}.json") as f:
         counts = json.load(f)

@@ -1,10 +1,13 @@
-"""Read records from local files: JSON/JSONL (with line numbers in errors), Parquet/CSV/Arrow and `save_to_disk` folders.
+"""Read records from local files: JSON/JSONL and text (with line numbers in errors), Parquet/CSV/Arrow and
+`save_to_disk` folders.
 
     for where, raw in read_raw("data/train.jsonl"): record = parse_raw(where, raw)
     sources = parse_mix(["extra.jsonl:0.5", "chat.jsonl:2:messages"], default_format="alpaca")
 
-Our own JSON reader names the file and line of a malformed record; the other formats go through `datasets`.
-JSONL lines are handed out unparsed by `read_raw`, so tokenizer workers parse them in parallel (`parse_raw`).
+Our own JSON and text readers name the file and line of a malformed record (and the line and column of a byte that
+is not UTF-8) and accept a UTF-8 byte-order mark; the other formats go through `datasets`. JSONL lines are handed
+out unparsed by `read_raw`, so tokenizer workers parse them in parallel (`parse_raw`). A mistake in the data is a
+DataError.
 """
 
 from __future__ import annotations
@@ -20,7 +23,15 @@ from typing import Any
 from finetune.config import ConfigError
 
 DATASETS_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+READABLE = ("JSONL (.jsonl, one object per line), JSON (.json, one list of objects), Parquet (.parquet), CSV (.csv), "
+            "Arrow (.arrow) or text (.txt, one {\"text\": line} record per line) files, or a folder written by "
+            "datasets' save_to_disk")
 _MIX_SYNTAX = "write PATH, PATH:WEIGHT or PATH:WEIGHT:FORMAT (e.g. extra.jsonl:0.5:sharegpt)"
+
+
+class DataError(ConfigError):
+    """A mistake in the data itself, found while reading or tokenizing it: the message names the file, the line (or
+    record, or row) and what to fix. A ConfigError, so whatever answers a recipe mistake answers this one too."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,7 @@ def read_raw(path: str) -> Iterator[tuple[str, str | dict[str, Any]]]:
     if not os.path.exists(path):
         raise ConfigError(f"data file {path!r} not found: set data.path (or data.eval_path) to a local file or folder")
     if os.path.isdir(path):
+        _check_saved_dataset(path)
         yield from _read_with_datasets(path, None)
         return
     ext = os.path.splitext(path)[1].lower()
@@ -72,44 +84,117 @@ def read_raw(path: str) -> Iterator[tuple[str, str | dict[str, Any]]]:
         yield from _read_jsonl_lines(path)
     elif ext == ".json":
         yield from _read_json(path)
+    elif ext == ".txt":
+        yield from _read_text_lines(path)
     elif ext in DATASETS_BUILDERS:
         yield from _read_with_datasets(path, DATASETS_BUILDERS[ext])
     else:
-        raise ConfigError(f"{path}: unknown data file type {ext!r}: use .jsonl, .json, .parquet, .csv, .arrow or a save_to_disk folder")
+        raise DataError(f"{path}: unknown data file type {ext!r}: zerotune reads {READABLE}")
 
 
 def parse_raw(where: str, raw: str | dict[str, Any]) -> dict[str, Any]:
-    """The record of a `read_raw` pair; a malformed JSONL line raises ConfigError naming file and line."""
+    """The record of a `read_raw` pair; a malformed JSONL line raises DataError naming file and line."""
     if not isinstance(raw, str):
         return raw
     try:
         record = json.loads(raw)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{where}: malformed JSON ({e.msg} at column {e.colno}); fix or remove that line") from None
+        # The column within the line: an error at its end (an unclosed object) is past the last character, not at
+        # column 1 of the "line" after the newline, where json counts it.
+        column = min(e.pos, len(raw.rstrip("\r\n"))) + 1
+        raise DataError(f"{where}: malformed JSON ({e.msg} at column {column}); fix or remove that line") from None
     if not isinstance(record, dict):
-        raise ConfigError(f"{where}: each line must be a JSON object, got {type(record).__name__}")
+        raise DataError(f"{where}: each line must be a JSON object, got {type(record).__name__}")
     return record
 
 
-def _read_jsonl_lines(path: str) -> Iterator[tuple[str, str]]:
-    with open(path, encoding="utf-8") as f:
+def _lines(path: str) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each line of a UTF-8 file, a byte-order mark dropped; a byte that is not UTF-8 raises
+    DataError naming its line and column."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            yield from enumerate(f, start=1)
+    except UnicodeDecodeError:
+        raise _not_utf8(path) from None
+
+
+def _not_utf8(path: str) -> DataError:
+    """The first byte of `path` that is not UTF-8, as FILE:LINE:COLUMN (the column counts characters, from 1).
+    UTF-8 never uses the newline byte inside a character, so the file splits into lines before decoding."""
+    with open(path, "rb") as f:
         for lineno, line in enumerate(f, start=1):
-            if line.strip():
-                yield f"{path}:{lineno}", line
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                column = len(line[:e.start].decode("utf-8").removeprefix("\ufeff")) + 1
+                if lineno == 1 and line[:2] in (b"\xff\xfe", b"\xfe\xff"):  # UTF-16's byte-order marks
+                    fix = "the file is UTF-16: save it as UTF-8 (iconv -f utf-16 -t utf-8 IN > OUT)"
+                else:
+                    fix = "save the file as UTF-8 (from Latin-1: iconv -f latin1 -t utf-8 IN > OUT)"
+                return DataError(f"{path}:{lineno}:{column}: byte 0x{line[e.start]:02x} is not UTF-8 ({e.reason}); "
+                                 f"{fix}")
+    return DataError(f"{path}: not UTF-8: save the file as UTF-8")
+
+
+def _renamed(path: str, ext: str) -> str:
+    return os.path.splitext(path)[0] + ext
+
+
+def _read_jsonl_lines(path: str) -> Iterator[tuple[str, str]]:
+    first = True
+    for lineno, line in _lines(path):
+        if not line.strip():
+            continue
+        if first and line.lstrip().startswith("["):
+            raise DataError(f"{path}:{lineno}: each line must be a JSON object, got list (a JSON array): a file that "
+                            f"holds one JSON array of records is JSON, not JSON Lines; rename it to "
+                            f"{_renamed(path, '.json')}, or write one object per line")
+        first = False
+        yield f"{path}:{lineno}", line
+
+
+def _read_text_lines(path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """One {"text": line} record per non-blank line (as `datasets`' text reader), for data.format=text."""
+    for lineno, line in _lines(path):
+        if line.strip():
+            yield f"{path}:{lineno}", {"text": line.rstrip("\n")}
 
 
 def _read_json(path: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        raise _not_utf8(path) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        fix = "fix the JSON there"
+        if e.msg == "Extra data" and text.lstrip().startswith("{"):
+            fix = f"the file holds one JSON object per line, which is JSON Lines: rename it to {_renamed(path, '.jsonl')}"
+        raise DataError(f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno}); {fix}") from None
     if not isinstance(data, list):
-        raise ConfigError(f"{path}: a .json data file must hold a list of records (or use .jsonl, one record per line)")
+        raise DataError(f"{path}: a .json data file must hold a list of records (or use .jsonl, one record per line)")
     for i, record in enumerate(data):
         if not isinstance(record, dict):
-            raise ConfigError(f"{path}: record {i} must be a JSON object, got {type(record).__name__}")
+            raise DataError(f"{path}: record {i} must be a JSON object, got {type(record).__name__}")
         yield f"{path} record {i}", record
+
+
+def _check_saved_dataset(path: str) -> None:
+    """A folder is read only as `datasets`' save_to_disk wrote it: a Dataset (dataset_info.json and state.json) or a
+    DatasetDict (dataset_dict.json), the files load_from_disk looks for."""
+    def has(name: str) -> bool:
+        return os.path.isfile(os.path.join(path, name))
+
+    if (has("dataset_info.json") and has("state.json")) or has("dataset_dict.json"):
+        return
+    readable = (".jsonl", ".json", ".txt", *DATASETS_BUILDERS)
+    found = sorted(name for name in os.listdir(path) if os.path.splitext(name)[1].lower() in readable)
+    hint = (f"; it holds {', '.join(found[:3])}{', ...' if len(found) > 3 else ''}: set data.path to one of them "
+            f"(and data.mix to the others)" if found else "")
+    raise DataError(f"{path}: this folder is not a dataset saved by datasets' save_to_disk (no state.json or "
+                    f"dataset_dict.json){hint}. zerotune reads {READABLE}")
 
 
 def _read_with_datasets(path: str, builder: str | None) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -119,10 +204,17 @@ def _read_with_datasets(path: str, builder: str | None) -> Iterator[tuple[str, d
         ds = datasets.load_from_disk(path)
         if isinstance(ds, datasets.DatasetDict):
             if "train" not in ds:
-                raise ConfigError(f"{path}: a DatasetDict needs a 'train' split, found {list(ds)}")
+                raise DataError(f"{path}: a DatasetDict needs a 'train' split, found {list(ds)}")
             ds = ds["train"]
     else:
-        ds = datasets.load_dataset(builder, data_files=path, split="train")
+        try:
+            ds = datasets.load_dataset(builder, data_files=path, split="train")
+        except datasets.exceptions.DatasetGenerationError as e:
+            cause = e.__cause__ or e
+            if isinstance(cause, UnicodeDecodeError):
+                raise _not_utf8(path) from None
+            raise DataError(f"{path}: not a readable {builder} file ({type(cause).__name__}: {cause}); fix the file "
+                            f"or write it again") from None
     for i, record in enumerate(ds):
         yield f"{path} row {i}", record
 

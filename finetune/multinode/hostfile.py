@@ -5,8 +5,9 @@
     address_of("node1")                                          # what ssh connects to, e.g. "10.0.0.11"
 
 Stricter than DeepSpeed, which only warns on a missing hostfile and then trains on the local machine:
-here a missing file, a line that is not `HOST slots=N`, a duplicate host or `slots` <= 0 is an error
-naming the file and line.
+here a missing file, a line that is not `HOST slots=N`, a duplicate host, two lines that reach one machine
+(`localhost` and `127.0.0.1`, a name and its address) or `slots` <= 0 is an error naming the file and line.
+A bracketed IPv6 address (`[::1]`) is read as the bare one.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import socket
 import subprocess
 
 _LINE = re.compile(r"^(?P<host>[^\s#=]+)\s+slots\s*=\s*(?P<slots>-?\d+)\s*(?:#.*)?$")
@@ -24,19 +26,28 @@ class HostfileError(ValueError):
 
 
 def load_hostfile(path: str) -> dict[str, int]:
-    """Read `HOST slots=N` lines (with `#` comments and blank lines) into an ordered {host: slots}."""
+    """Read `HOST slots=N` lines (with `#` comments and blank lines) into an ordered {host: slots}; two lines that
+    reach one machine are refused (see machine_of)."""
     if not os.path.isfile(path):
         raise HostfileError(
             f"hostfile {path!r} not found. Write one line per node, `HOST slots=N` "
             f"(see hostfiles/two_nodes.example), or use hostfiles/localhost for this machine alone"
         )
     with open(path) as f:
-        return parse_hostfile(f.read(), path)
+        entries = _parse_lines(f.read(), path)
+    _refuse_one_machine_twice(entries, path)
+    return {host: slots for _, host, slots in entries}
 
 
 def parse_hostfile(text: str, path: str = "<hostfile>") -> dict[str, int]:
-    """Parse hostfile text; errors read `PATH:LINE: what is wrong`."""
-    pool: dict[str, int] = {}
+    """Parse hostfile text; errors read `PATH:LINE: what is wrong`. Looks no name up (load_hostfile does)."""
+    return {host: slots for _, host, slots in _parse_lines(text, path)}
+
+
+def _parse_lines(text: str, path: str) -> list[tuple[int, str, int]]:
+    """(line number, host, slots) of each host line; a bracketed IPv6 address (`[::1]`) becomes the bare one, the
+    form ssh and pdsh take (pdsh reads brackets as a host range)."""
+    entries: list[tuple[int, str, int]] = []
     first_line: dict[str, int] = {}
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
@@ -45,19 +56,76 @@ def parse_hostfile(text: str, path: str = "<hostfile>") -> dict[str, int]:
         match = _LINE.match(line)
         if match is None:
             raise HostfileError(f"{path}:{number}: expected `HOST slots=N` (N = GPUs on that node), got {line!r}")
-        host, slots = match["host"], int(match["slots"])
+        host, slots = _unbracket(match["host"], f"{path}:{number}"), int(match["slots"])
         if slots <= 0:
             raise HostfileError(f"{path}:{number}: {host} has slots={slots}; slots is the number of ranks, at least 1")
-        if host in pool:
+        if host in first_line:
             raise HostfileError(
                 f"{path}:{number}: {host} is listed twice (first on line {first_line[host]}); "
                 f"give each host one line with its total slots"
             )
-        pool[host] = slots
+        entries.append((number, host, slots))
         first_line[host] = number
-    if not pool:
+    if not entries:
         raise HostfileError(f"{path}: no hosts in the hostfile; add lines like `node1 slots=8`")
-    return pool
+    return entries
+
+
+def _unbracket(host: str, where: str) -> str:
+    if not (host.startswith("[") or host.endswith("]")):
+        return host
+    inner = host[1:-1] if host.startswith("[") and host.endswith("]") else ""
+    try:
+        if ipaddress.ip_address(inner).version == 6:
+            return inner
+    except ValueError:
+        pass
+    raise HostfileError(f"{where}: {host!r}: brackets hold an IPv6 address (`[::1]`, `[fe80::1%eth0]`); write "
+                        f"a host name or an IPv4 address without them")
+
+
+def written_as_read(path: str) -> bool:
+    """Whether DeepSpeed's runner, reading the file itself, sees the hosts load_hostfile gives (no bracketed
+    address: those must reach it, and pdsh, bare)."""
+    with open(path) as f:
+        return not any(line.split()[0].startswith("[") for line in f if line.strip() and not line.lstrip().startswith("#"))
+
+
+def machine_of(host: str) -> frozenset[str]:
+    """What `host` reaches, as the preflight's ssh does: the ssh config's HostName for it (address_of), resolved
+    by getaddrinfo to its addresses; 127.0.0.1, ::1 and every address of `localhost` or of this machine's name
+    stand for "this machine". A name that does not resolve stands for itself (the preflight reports it
+    unreachable). Two hosts reach one machine when their sets meet.
+
+    Another loopback address (127.0.0.2, ...) stays its own: an sshd listening on it is a second "node" on one
+    machine, which is how multi-node launches are tested without a second machine."""
+    here = {"127.0.0.1", "::1"} | _addresses("localhost") | _addresses(socket.gethostname())
+    found = _addresses(address_of(host)) or {host.lower()}
+    return frozenset("this machine" if a in here else a for a in found)
+
+
+def _addresses(name: str) -> set[str]:
+    try:
+        return {info[4][0] for info in socket.getaddrinfo(name, None)}
+    except (OSError, UnicodeError):  # unknown name (socket.gaierror), or one IDNA cannot encode
+        return set()
+
+
+def _refuse_one_machine_twice(entries: list[tuple[int, str, int]], path: str) -> None:
+    """DeepSpeed would start both lines' ranks on that one machine, each set on the same local GPUs."""
+    seen: list[tuple[int, str, frozenset[str]]] = []
+    for number, host, _ in entries:
+        machine = machine_of(host)
+        for first_number, first_host, first_machine in seen:
+            common = machine & first_machine
+            if common:
+                reached = "this machine" if "this machine" in common else min(common)
+                raise HostfileError(
+                    f"{path}:{number}: {host} and {path}:{first_number}: {first_host} are one machine (both reach "
+                    f"{reached}): DeepSpeed would start both lines' ranks there, on the same GPUs. Keep one line "
+                    f"for it, with all its slots"
+                )
+        seen.append((number, host, machine))
 
 
 def filter_hosts(pool: dict[str, int], include: str = "", exclude: str = "") -> dict[str, list[int]]:

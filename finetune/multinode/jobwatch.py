@@ -141,6 +141,8 @@ class JobWatch:
     _MPI_NAME = re.compile(r"Process name:\s+\[\[\d+,\d+\],(\d+)\]")
     _MPI_CODE = re.compile(r"Exit code:\s+(\d+)")
     _SRUN = re.compile(r"srun: error: (\S+): tasks? [\d,-]+: (.+)")
+    # A rank's stall watchdog (finetune/watchdog.py) naming a rank that is stuck; the launcher adds its host.
+    _STALL = re.compile(r"zerotune: stall: rank (\d+) \(host \S+, pid \d+\) (.+)$")
     _PEER_GONE = re.compile(r"^(\S+): .*(Connection (closed|reset) by peer|Broken pipe|NCCL.*(abort|[Ww]atchdog))")
 
     def __init__(self, ranks: dict[str, list[int]]):
@@ -167,16 +169,21 @@ class JobWatch:
             failure = Failure(host, [rank], _exit_text(int(match[1])))
         elif match := self._SRUN.search(line):
             failure = Failure(match[1], self.ranks.get(match[1], []), match[2].strip().lower())
+        elif match := self._STALL.search(line):
+            rank = int(match[1])
+            host = next((h for h, ranks in self.ranks.items() if rank in ranks), "?")
+            failure = Failure(host, [rank], f"stalled: {match[2].strip()}")
         if failure is None or any(f.host == failure.host and f.ranks == failure.ranks for f in self.failures):
             return None
         self.failures.append(failure)
         return failure
 
     def summary(self) -> str:
-        """The first failure of a host that did not merely lose its peers, then the others."""
+        """A stalled rank, else the first failure of a host that did not merely lose its peers; then the others."""
         if not self.failures:
             return ""
-        first = next((f for f in self.failures if f.host not in self.followers), self.failures[0])
+        first = next((f for f in self.failures if f.how.startswith("stalled")), None) or next(
+            (f for f in self.failures if f.host not in self.followers), self.failures[0])
         rest = [str(f) for f in self.failures if f is not first]
         return str(first) + (f" (after it: {'; '.join(rest)})" if rest else "")
 

@@ -1,9 +1,10 @@
-"""Launch training on the hosts of a hostfile: check every host, write .deepspeed_env, run the exact `deepspeed`
-command, and end the whole job, naming the rank and host, when one rank is lost.
+"""Launch training on the hosts of a hostfile: check every host, write the job's .deepspeed_env into a temporary
+folder (DS_ENV_FILE names it to DeepSpeed's runner; removed when the job ends, so a launch leaves nothing in the current
+folder), run the exact `deepspeed` command, and end the whole job, naming the rank and host, when one rank is lost.
 
     zerotune launch --hostfile hostfiles/my_nodes -- --deepspeed ds_configs/zero3.json --config recipes/x.yaml
 
-`python -m finetune.multinode.launcher ...` does the same. Hostfiles and filters: finetune/multinode/hostfile.py; checks: preflight.py.
+`python -m finetune.multinode.launcher ...` does the same. Hostfiles and filters: finetune/multinode/hostfile.py; checks: preflight.py, doctor.py.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import hashlib
 import os
 import re
 import shlex
+import shutil
 import socket
 import sys
+import tempfile
 
 from finetune.multinode.hostfile import (
     HostfileError,
@@ -24,17 +27,19 @@ from finetune.multinode.hostfile import (
     is_loopback,
     load_hostfile,
     slurm_hosts,
+    written_as_read,
 )
 from finetune import shipped
 from finetune.config import ConfigError, load_recipe
 from finetune.dist import free_port
+from finetune.multinode.doctor import doctor_command, run_doctor
 from finetune.multinode.jobwatch import run_job, span
 from finetune.multinode.plan import LaunchPlan
 from finetune.multinode.preflight import run_preflight
 
 REPO = shipped.IMPORT_ROOT  # the folder holding this `finetune` package: the checkout, or site-packages
 DEFAULT_SCRIPT = os.path.join(shipped.PACKAGE, "main.py")
-ENV_FILE = os.environ.get("DS_ENV_FILE", ".deepspeed_env")  # the name DeepSpeed's runner reads in the CWD
+ENV_FILE = ".deepspeed_env"  # the name DeepSpeed's runner reads in the home and current folders (DS_ENV_FILE renames it)
 FORWARD_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_", "FI_", "UCX_", "HF_", "WANDB_", "ZEROTUNE_", "TRITON_", "OMP_")
 FORWARD_NAMES = (
     "TORCH_EXTENSIONS_DIR", "TRANSFORMERS_OFFLINE", "CUDA_HOME", "LD_LIBRARY_PATH", "PYTORCH_CUDA_ALLOC_CONF",
@@ -56,12 +61,29 @@ def main(argv: list[str] | None = None) -> int:
         plan = build_plan(args, train_args, dict(os.environ))
     except (LaunchError, HostfileError) as e:
         return _fail(str(e), 2)
+    if args.doctor:  # the doctor's command is the one printed and run; no training follows
+        plan.command = doctor_command(plan, quick=False, timeout=args.doctor_timeout)
+    env_dir = None if args.dry_run else tempfile.mkdtemp(prefix="zerotune-launch-")
+    try:
+        return _start(args, plan, env_dir)
+    finally:
+        if env_dir is not None:
+            shutil.rmtree(env_dir, ignore_errors=True)
+
+
+def _start(args: argparse.Namespace, plan: LaunchPlan, env_dir: str | None) -> int:
+    """Print the plan; unless it is a dry run, check the hosts and run the job with its .deepspeed_env in env_dir
+    (the user's own files, in the home and current folders, are read by build_plan, never written)."""
+    env_file = ENV_FILE
+    if env_dir is not None:
+        env_file = os.path.join(env_dir, ENV_FILE)
+        plan.command_env["DS_ENV_FILE"] = env_file  # an absolute path: the runner reads it instead of ~/ and ./
     layout = "; ".join(f"{host}: {span(ranks)}" for host, ranks in plan.ranks().items())
     print(f"zerotune launch: {len(plan.hosts)} host(s), ranks {layout}; launcher {plan.launcher}, "
           f"master {plan.master_addr}:{plan.master_port}")
     if plan.hostfile_text is not None:
         print(f"{plan.hostfile}:\n{plan.hostfile_text}", end="")
-    print(f"$ {plan.shell_command()}\n{ENV_FILE}:\n{plan.env_file_text}", end="", flush=True)
+    print(f"$ {plan.shell_command()}\n{env_file}:\n{plan.env_file_text}", end="", flush=True)
     if args.dry_run:
         print("dry run: nothing started")
         return 0
@@ -74,11 +96,23 @@ def main(argv: list[str] | None = None) -> int:
             print(report.table(), flush=True)
             if not report.ok:
                 return _fail("preflight failed, nothing was started; fix the FAIL lines or pass --skip-preflight", 1)
-        for path, text in [(ENV_FILE, plan.env_file_text), (plan.hostfile, plan.hostfile_text)]:
+        for path, text in [(env_file, plan.env_file_text), (plan.hostfile, plan.hostfile_text)]:
             if text is not None:
                 os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
                 with open(path, "w") as f:
                     f.write(text)
+        if args.doctor or not args.no_doctor:
+            # A short launch of its own through the same runner, hosts and .deepspeed_env, before training's: it
+            # proves the launch path and the collectives under its own deadline and names a rank that never answers
+            # (training would wait out its process-group timeout), at the cost of one runner start; train.py stays as is.
+            command = plan.command if args.doctor else doctor_command(plan, quick=True, timeout=args.doctor_timeout)
+            doctor = run_doctor(plan, command, timeout=args.doctor_timeout)
+            print(doctor.table(), flush=True)
+            if not doctor.ok:
+                then = "; fix the FAIL lines" if args.doctor else ", nothing was trained; fix the FAIL lines or pass --no-doctor"
+                return _fail(f"the doctor found a problem{then}", 1)
+            if args.doctor:
+                return 0
     except (LaunchError, OSError) as e:
         return _fail(str(e), 2)
     return run_job(plan, grace=args.failure_grace)
@@ -103,6 +137,11 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     add("--exclude", default="", help="DeepSpeed syntax, e.g. `node3` or `node1:7`")
     add("--dry-run", action="store_true", help="print the command and .deepspeed_env, start nothing")
     add("--skip-preflight", action="store_true", help="launch without checking the hosts first")
+    add("--doctor", action="store_true", help="only check: the preflight, then a timed all-reduce and all-to-all on "
+        "every rank (bus bandwidth and latency per node); exit 0 when all is well")
+    add("--no-doctor", action="store_true", help="skip the quick doctor run (one small all-reduce and all-to-all) "
+        "that precedes training")
+    add("--doctor-timeout", type=float, default=60.0, help="seconds a doctor rank waits for its peers")
     add("--master-port", type=int, default=0, help="default: a free port")
     add("--master-addr", default="", help="default: the first host's address, as ssh resolves it")
     add("--launcher-args", default="", help="extra arguments for pdsh, mpirun or srun, as one quoted string")
@@ -152,7 +191,10 @@ def build_plan(args: argparse.Namespace, train_args: list[str], environ: dict[st
             srun.append(f"--cpus-per-task={environ['SLURM_CPUS_ON_NODE']}")  # else the step's one task gets one core
         node_rank = ["bash", "-c", 'exec "$0" --node_rank="$SLURM_NODEID" "$@"']
         command = srun + extra + node_rank + deepspeed + ["--no_ssh"]
-    env_file_text = merge_env_file(_read(ENV_FILE), build_exports(environ, loopback=loopback))
+    user: dict[str, str] = {}
+    for path in user_env_files(environ):
+        user.update(_parse_env(_read(path), path))
+    env_file_text = merge_env_file("", {**user, **build_exports(environ, loopback=loopback)})
     return LaunchPlan(args.launcher, hosts, hostfile, hostfile_text, master_addr, master_port, local,
                       command + [script, *train_args], command_env, env_file_text, train_args)
 
@@ -169,6 +211,10 @@ def _select_hosts(args: argparse.Namespace, environ: dict[str, str]) -> tuple[di
         raise LaunchError("--hostfile is required (hostfiles/localhost runs on this machine alone)")
     pool = load_hostfile(args.hostfile)
     hosts = filter_hosts(pool, args.include, args.exclude)
+    if not written_as_read(args.hostfile) and (args.launcher != "openmpi" or hosts == filter_hosts(pool)):
+        # `[::1]` written `::1`: DeepSpeed hands the names to pdsh as they are (and applies the filters itself)
+        text = format_hostfile(filter_hosts(pool))
+        return hosts, os.path.join("runs", f"hostfile-{hashlib.sha256(text.encode()).hexdigest()[:8]}"), text
     if args.launcher != "openmpi" or hosts == filter_hosts(pool):
         return hosts, args.hostfile, None
     if any(slots != list(range(pool[host])) for host, slots in hosts.items()):
@@ -192,19 +238,32 @@ def build_exports(environ: dict[str, str], *, loopback: bool = False) -> dict[st
     return dict(sorted(exports.items()))
 
 
+def user_env_files(environ: dict[str, str]) -> list[str]:
+    """The files DeepSpeed's runner itself reads, in its order: DS_ENV_FILE's name (default .deepspeed_env) in the
+    home folder, then in the current one. zerotune merges them into the job's own file."""
+    name = environ.get("DS_ENV_FILE", ENV_FILE)
+    paths = [os.path.join(os.path.expanduser("~"), name), os.path.join(".", name)]
+    return list(dict.fromkeys(os.path.abspath(p) for p in paths))
+
+
 def merge_env_file(existing: str, exports: dict[str, str]) -> str:
     """The user's KEY=VALUE lines kept in order, ours replacing a line of the same key or appended; blank lines
     dropped (DeepSpeed's runner crashes on them)."""
+    lines = _parse_env(existing, ENV_FILE)
+    lines.update(exports)
+    return "".join(f"{key}={value}\n" for key, value in lines.items())
+
+
+def _parse_env(text: str, name: str) -> dict[str, str]:
     lines: dict[str, str] = {}
-    for number, line in enumerate(existing.splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         key, sep, value = line.partition("=")
         if not sep or not key.strip():
-            raise LaunchError(f"{ENV_FILE}:{number}: {line!r} is not KEY=VALUE, which DeepSpeed's runner needs; fix it")
+            raise LaunchError(f"{name}:{number}: {line!r} is not KEY=VALUE, which DeepSpeed's runner needs; fix it")
         lines[key.strip()] = value
-    lines.update(exports)
-    return "".join(f"{key}={value}\n" for key, value in lines.items())
+    return lines
 
 
 def output_dir_of(train_args: list[str]) -> str:

@@ -73,7 +73,7 @@ try:
 except OSError as e:
     r["output dir"] = "not writable: " + str(e)
 if a["port"]:
-    s = socket.socket()
+    s = socket.socket(socket.AF_INET6 if ":" in a["addr"] else socket.AF_INET)
     try:
         s.bind((a["addr"], a["port"]))
         r["port"] = "free"

@@ -1,5 +1,5 @@
 """The fault table: bad inputs and faults, each with the exact user-facing message and proof that nothing already
-written was lost. README.md's "Troubleshooting" section lists every row (checked below).
+written was lost. docs/troubleshooting.md lists every row (tests/unit/test_hardening.py checks it).
 
 Each in-process row runs the real code path (recipe, DeepSpeed JSON, model folder, tokenizer, data pipeline,
 hostfile, output-dir checks) against a run folder that already holds a checkpoint, metrics and an export, and then

@@ -4,7 +4,9 @@ Unit, seconds: hostfile errors, filters, Slurm node lists, golden dry runs for 1
 Slurm), .deepspeed_env merging, failure parsing, and a preflight that names unreachable hosts within 10 s.
 Real runs, about 2 minutes: a private sshd makes 127.0.0.1 and 127.0.0.2 two "nodes"; the tiny recipe on 2 nodes x 1
 slot through pdsh and through OpenMPI gives the losses of a single-node 2-process run; a rank killed mid-run ends
-the job within 60 s naming it; a survivor that hangs is stopped by the launcher's watchdog. Loopback only.
+the job within 60 s naming it; a survivor that hangs is stopped by the launcher's watchdog; `--doctor` prints bus
+bandwidth and latency per node and names a node whose sshd is down; the pdsh run is preceded by the quick doctor
+(tests/unit/test_doctor.py holds the doctor's unit half). Loopback only.
 
     ZEROTUNE_UPDATE_GOLDEN=1 pytest tests/unit/test_launcher.py -k golden    # rewrite tests/fixtures/golden/launch/*.txt"""
 
@@ -86,15 +88,18 @@ def tiny_args(out: str, steps: int) -> list[str]:
     ]
 
 
-def launch(prefix: list[str], cwd, env, options: list[str], train_args: list[str]) -> subprocess.Popen:
-    """`python -m finetune.multinode.launcher` from `cwd` (not the repo: .deepspeed_env lands there), inside `prefix`'s netns."""
+def launch(prefix: list[str], cwd, env, options: list[str], train_args: list[str],
+           doctor: bool = False) -> subprocess.Popen:
+    """`python -m finetune.multinode.launcher` from `cwd` (not the repo: .deepspeed_env lands there), inside `prefix`'s netns.
+    Without `doctor`, `--no-doctor`: the quick doctor run costs a launch of its own, and only the doctor's tests need it."""
     os.makedirs(cwd, exist_ok=True)
     # CPU-only ranks, as loopback_env's: its PYTHONPATH (the repo first, then tests/fixtures/cpu_only) reaches every
     # rank through .deepspeed_env, and that folder's sitecustomize hides CUDA from each of them.
     cpu_only = {k: v for k, v in loopback_env().items() if k in ("PYTHONPATH", "CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR")}
     env = dict(env, **cpu_only, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".cache", "torch_extensions"))  # the shm op, built once
-    cmd = [*prefix, sys.executable, "-m", "finetune.multinode.launcher", *options, "--", *train_args]
+    cmd = [*prefix, sys.executable, "-m", "finetune.multinode.launcher", *options, *([] if doctor else ["--no-doctor"]),
+           "--", *train_args]
     return subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
@@ -118,19 +123,33 @@ def single_node_losses(tmp_path_factory, netns):
 def test_two_nodes_match_single_node(backend, cluster, hostfile, single_node_losses, tmp_path):
     out = str(tmp_path / "out")
     options = ["--hostfile", hostfile, "--launcher", backend]
-    proc = launch(cluster.prefix, tmp_path / "cwd", cluster.env(), options, tiny_args(out, 10))
+    checkout_before = _git_status()
+    proc = launch(cluster.prefix, tmp_path / "cwd", cluster.env(), options, tiny_args(out, 10), doctor=backend == "pdsh")
     output = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, output[-4000:]
+    if backend == "pdsh":  # the quick doctor run, then training on the same master port
+        assert re.search(r"^127.0.0.2 +1 +\d+\.\d\d +\d+\.\d\d .*gloo tcp \(lo\)$", output, re.M), output[-4000:]
+        assert output.index("\ndoctor: ok\n") < output.index("zerotune launch: job finished")
     assert re.search(r"127.0.0.1 +ok .*ok, shared +free", output), output
     assert re.search(r"127.0.0.2 +ok .*ok, shared +-", output), output
     assert "--master_addr 127.0.0.1" in output and "zerotune launch: job finished" in output
     two_nodes = losses(out)
     assert len(two_nodes) == len(single_node_losses) == 10
     assert two_nodes == pytest.approx(single_node_losses, rel=1e-5)
-    with open(tmp_path / "cwd" / ".deepspeed_env") as f:
-        env_file = f.read()
+    env_file = output.split(".deepspeed_env:\n", 1)[1]  # as printed; the file itself was in a temporary folder
     for line in ("GLOO_SOCKET_IFNAME=lo", f"PYTHONPATH={ROOT}", "TORCH_EXTENSIONS_DIR="):
         assert line in env_file
+    # The launch leaves nothing behind: not in the folder it ran from, not in the checkout, not in the temp folder.
+    assert os.listdir(tmp_path / "cwd") == [] and not os.path.exists(os.path.join(ROOT, ".deepspeed_env"))
+    assert _git_status() == checkout_before
+    env_path = re.search(r"DS_ENV_FILE=(\S+)", output).group(1)
+    assert env_path.endswith("/.deepspeed_env") and not os.path.exists(os.path.dirname(env_path))
+
+
+def _git_status() -> str:
+    """The checkout's changed and untracked files (empty in a clean clone)."""
+    return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, check=True).stdout
 
 
 def _rank_pid(port: int, rank: int, deadline: float) -> int:
@@ -182,3 +201,40 @@ def _has_port(p: psutil.Process, port: int) -> bool:
         return p.environ().get("MASTER_PORT") == str(port) and p.status() != psutil.STATUS_ZOMBIE
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
+
+
+# ---------------------------------------------------------------- the cluster doctor (finetune/multinode/doctor.py)
+
+
+def test_doctor_prints_bandwidth_and_latency_per_node(cluster, hostfile, tmp_path):
+    options = ["--hostfile", hostfile, "--doctor"]
+    proc = launch(cluster.prefix, tmp_path / "cwd", cluster.env(), options, [f"train.output_dir={tmp_path}/out"])
+    output = proc.communicate(timeout=180)[0]
+    assert proc.returncode == 0, output[-4000:]
+    assert "--module finetune.multinode.doctor_worker --rank-hosts 127.0.0.1,127.0.0.2" in output
+    gbps = r"\d+\.\d\d"
+    for host, rank, to in (("127.0.0.1", 0, "127.0.0.2"), ("127.0.0.2", 1, "127.0.0.1")):
+        # node, ranks, all-reduce and all-to-all bus bandwidth, latency (us), link to the next node, copy, join
+        row = rf"^{host} +{rank} +{gbps} +{gbps} +\d+ +{gbps} to {to} +{gbps} +{gbps} +gloo tcp \(lo\)$"
+        assert re.search(row, output, re.M), output[-4000:]
+    slowest = rf"^slowest node: 127\.0\.0\.[12] \(all-reduce {gbps} GB/s, latency \d+ us\)"
+    assert re.search(slowest + r"(; highest latency: 127\.0\.0\.[12] \(\d+ us\))?$", output, re.M), output[-4000:]
+    assert re.search(rf"^slowest link: 127\.0\.0\.(1 -> 127\.0\.0\.2|2 -> 127\.0\.0\.1) \({gbps} GB/s\)$", output, re.M)
+    assert output.endswith("doctor: ok\n") and "job finished" not in output and "main.py" not in output
+
+
+def test_doctor_names_a_node_whose_sshd_is_down_within_30s(cluster, tmp_path):
+    """127.0.0.3's ssh goes to a port where no sshd listens (stopped); 127.0.0.1 is served by the fixture's."""
+    aliases = {"127.0.0.1": ("127.0.0.1", cluster.port), "127.0.0.3": ("127.0.0.3", free_port("127.0.0.3"))}
+    bin_dir = write_ssh_wrapper(str(tmp_path), aliases, key=os.path.join(cluster.root, "user_key"))
+    (tmp_path / "hosts").write_text("127.0.0.1 slots=1\n127.0.0.3 slots=1\n")
+    env = cluster.env()
+    env["PATH"] = bin_dir + os.pathsep + env["PATH"]
+    start = time.monotonic()
+    options = ["--hostfile", str(tmp_path / "hosts"), "--doctor"]
+    proc = launch(cluster.prefix, tmp_path / "cwd", env, options, [f"train.output_dir={tmp_path}/out"])
+    output = proc.communicate(timeout=60)[0]
+    assert time.monotonic() - start < 30
+    assert proc.returncode == 1, output[-4000:]
+    assert re.search(r"^FAIL 127\.0\.0\.3 reach: ssh failed: .*Connection refused", output, re.M), output[-4000:]
+    assert not re.search(r"^FAIL 127\.0\.0\.1", output, re.M) and "nothing was started" in output

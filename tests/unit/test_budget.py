@@ -75,8 +75,8 @@ def test_plan_is_the_first_option_that_fits(kind, world, gib):
 
 
 def test_budgets_lead_to_expected_7b_settings():
-    """The figures the README's "what fits where" table shows, 2 GPUs: a full 7B fine-tune needs the optimizer on the
-    CPU below 80 GiB, and an H200 trains LoRA without recomputation."""
+    """The figures the "what fits where" table of docs/memory.md shows, 2 GPUs: a full 7B fine-tune needs the optimizer
+    on the CPU below 80 GiB, and an H200 trains LoRA without recomputation."""
     full_24 = budget.plan_memory(_recipe("full"), MISTRAL, "auto", 2, 24, NODE_RAM, 2)
     assert os.path.basename(full_24.deepspeed) in ("zero2_offload.json", "zero3_offload_optimizer.json", "zero3_offload.json")
     assert full_24.cpu_gib_per_node > 80  # fp32 master, Adam moments and fp32 gradients of 7.2B parameters

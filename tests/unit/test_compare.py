@@ -1,7 +1,8 @@
 """`zerotune compare`'s bookkeeping on made-up runs: a stage beyond the loss tolerance is flagged, a used folder and
-overrides the command owns are refused. The real stage comparison is tests/integration/test_compare.py."""
+overrides the command owns are refused, the summary is written first and the plots are skipped without matplotlib. The real stage comparison is tests/integration/test_compare.py."""
 
 import json
+import sys
 
 import pytest
 
@@ -40,3 +41,51 @@ def test_refuses_a_used_folder_and_owned_overrides(tmp_path):
     assert main(["--config", TINY_RECIPE, "--out", str(tmp_path / "old")]) == 2
     assert main(["--config", TINY_RECIPE, "--out", str(tmp_path / "new"), "train.max_steps=5"]) == 2
     assert not (tmp_path / "new").exists()
+
+
+def _finished_run(tmp_path, name, losses):
+    """A made-up finished stage with a metrics.jsonl in its run folder, as training writes it."""
+    run = _run(name, losses)
+    run["run_dir"] = str(tmp_path / name)
+    (tmp_path / name).mkdir()
+    with open(tmp_path / name / "metrics.jsonl", "w") as f:
+        for step, loss in enumerate(losses, start=1):
+            f.write(json.dumps({"step": step, "loss": loss, "lr": 1e-3, "tokens": 256, "tokens_per_s": 500.0,
+                                "mfu": None, "peak_mem_gib": 0.5, "peak_reserved_gib": None}) + "\n")
+    return run
+
+
+META = {"config": "x", "steps": 2, "skip_steps": 1, "gpus": 2, "ranks": "CPU processes", "reference": "zero0",
+        "tolerance": 1e-4, "notes": [], "plots": {}}
+
+
+def test_without_matplotlib_the_summary_is_written_and_plots_skipped_with_a_note(tmp_path, monkeypatch, capsys):
+    from finetune.commands.compare import summarize
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError, as when not installed
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    runs = [_finished_run(tmp_path, "zero0", [10.0, 9.0]), _finished_run(tmp_path, "zero1", [10.0, 9.0])]
+    compare_losses(runs, 1e-4)
+    summarize(str(tmp_path), runs, dict(META))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "plots skipped: matplotlib is not installed" in err
+    assert "pip install 'zerotune[plot]'" in err
+    text = (tmp_path / "summary.md").read_text()
+    assert "| zero1 | 1 | no |" in text and "Plots: not drawn, matplotlib is not installed" in text
+    assert f"zerotune plot {tmp_path / 'zero0'} {tmp_path / 'zero1'} --out" in text  # how to draw them later
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["plots"] == {} and [r["name"] for r in summary["runs"]] == ["zero0", "zero1"]
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_with_matplotlib_the_summary_names_the_plots(tmp_path, capsys):
+    from finetune.commands.compare import summarize
+
+    runs = [_finished_run(tmp_path, "zero0", [10.0, 9.0]), _finished_run(tmp_path, "zero3", [10.0, 9.0])]
+    compare_losses(runs, 1e-4)
+    summarize(str(tmp_path), runs, dict(META))
+    assert capsys.readouterr().err == ""
+    assert "Plots: `throughput_memory.png`, `loss_curves.png`" in (tmp_path / "summary.md").read_text()
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["plots"]["loss_curves.png"]["runs"] == [r["run_dir"] for r in runs] and "plots_note" not in summary
+    assert (tmp_path / "throughput_memory.png").stat().st_size > 10_000 and (tmp_path / "loss_curves.png").exists()

@@ -157,3 +157,47 @@ def test_bf16_on_a_cpu_without_native_bf16_gets_a_note(monkeypatch):
     assert emulated_bf16_note(fp32) is None
     monkeypatch.setattr(ds_config, "native_cpu_bf16", lambda: True)
     assert emulated_bf16_note(bf16) is None
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.max_step=10", "command-line override 'train.max_step=10': unknown key 'train.max_step'. "
+                          "Did you mean 'train.max_steps'?"),
+    ("trian.max_steps=3", "command-line override 'trian.max_steps=3': unknown key 'trian'. Did you mean 'train'?"),
+    ("train.max_steps=ten", "command-line override 'train.max_steps=ten': train.max_steps must be int, got str 'ten'"),
+    ("data.overlong=cut", "command-line override 'data.overlong=cut': data.overlong = 'cut' is not one of: drop, truncate"),
+    ("lora.target_modules=[q_proj,", "command-line override 'lora.target_modules=[q_proj,': '[q_proj,' is not a "
+                                     "YAML value"),
+    ("train.max_steps=0", "tiny.yaml with command-line override 'train.max_steps=0': train.max_steps must be > 0"),
+])
+def test_an_override_error_names_the_override_not_the_recipe(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_recipe(TINY_RECIPE, [override])
+    assert message in str(e.value)
+    assert not str(e.value).startswith(TINY_RECIPE + ":")
+
+
+def test_a_recipe_file_error_names_the_file(tmp_path):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("train:\n  max_step: 10\n  seed: forty\n")
+    with pytest.raises(ConfigError) as e:
+        load_recipe(str(recipe), ["train.max_steps=5"])  # a good override beside the file's mistakes
+    assert str(e.value).startswith(f"{recipe}: unknown key 'train.max_step'. Did you mean 'train.max_steps'?")
+    recipe.write_text("train:\n  seed: forty\n")
+    with pytest.raises(ConfigError, match=f"^{recipe}: train.seed must be int, got str 'forty'"):
+        load_recipe(str(recipe), ["train.max_steps=5"])
+
+
+def test_train_help_names_the_command_and_the_sections(capsys):
+    from finetune.cli import main as zerotune
+    from finetune.config import sections
+
+    with pytest.raises(SystemExit) as e:
+        zerotune(["train", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: zerotune train [--config RECIPE] [--deepspeed DS_JSON] [--verbose]")
+    assert "deepspeed --num_gpus N finetune/main.py [the same arguments]" in out
+    assert "docs/configuration.md" in out and "--verbose" in out
+    listed = {line.split()[0] for line in out.splitlines() if line.startswith("  ") and line.split()[0] in sections()}
+    assert listed == {"model", "lora", "data", "optim", "train"}
+    assert "max_steps" in out and "target_modules" in out  # each section's keys

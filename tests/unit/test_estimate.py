@@ -174,7 +174,7 @@ def test_cli_table_and_recommendation(capsys):
 
 # Peak GiB allocated per GPU, measured by `zerotune compare` on 2xH200 (2026-11-30): Mistral-7B's shape, random init,
 # micro-batch 4 x 2048 packed tokens, full activation checkpointing, sdpa, the shipped ds_configs; compare --steps 6
-# (LoRA) and 5 (full). See the README's "Compare ZeRO stages" section for the command.
+# (LoRA) and 5 (full). See docs/memory.md, "Which ZeRO stage? Compare", for the command.
 MEASURED_H200 = {"lora": {"zero0": 35.78, "zero1": 19.71, "zero2": 19.41, "zero3": 15.47},
                  "full": {"zero0": 110.52, "zero1": 81.48, "zero2": 81.48, "zero3": 61.59}}
 

@@ -1,5 +1,5 @@
 """The fault table: bad inputs and faults, each with the exact user-facing message and proof that nothing already
-written was lost. README.md's "Troubleshooting" section lists every row (checked below).
+written was lost. docs/troubleshooting.md lists every row (checked below).
 
 Each in-process row runs the real code path (recipe, DeepSpeed JSON, model folder, tokenizer, data pipeline,
 hostfile, output-dir checks) against a run folder that already holds a checkpoint, metrics and an export, and then
@@ -30,11 +30,11 @@ ZERO2 = os.path.join(ROOT, "ds_configs", "zero2.json")
 @dataclass
 class Fault:
     id: str
-    what: str  # the situation, as the README lists it
+    what: str  # the situation, as docs/troubleshooting.md lists it
     message: str  # a regex the user-facing message must match
     trigger: Callable | None = None  # (tmp, run_dir) -> raises; None when covered_by a test elsewhere
     covered_by: str = ""
-    fix: str = ""  # what the README tells the user to do
+    fix: str = ""  # what docs/troubleshooting.md tells the user to do
 
 
 def _write(path, text: str) -> str:
@@ -176,6 +176,86 @@ FAULTS = [
     Fault("lost-rank", "a rank lost mid-run", r"rank .* on .* was killed",
           covered_by="tests/integration/test_launcher.py::test_killed_rank_ends_job_within_60s_naming_it",
           fix="see the named host's log; resume with train.resume=auto"),
+    # Round two: one run per folder, resume checks, data input, disk, hostfiles, exports (each proven in its own file)
+    Fault("run-folder-in-use", "a second run into a folder a live run holds, fresh or resumed", r"is in use by another run",
+          covered_by="tests/integration/test_run_folder.py::test_two_runs_started_together_one_trains_the_other_is_refused_naming_it",
+          fix="wait for that run or stop it, or choose another train.output_dir"),
+    Fault("stale-run-lock", "the lock file of a run that was killed", r"took over the lock of a run that is gone",
+          covered_by="tests/unit/test_runlock.py::test_second_run_is_refused_then_takes_over_once_the_holder_is_killed",
+          fix="nothing: the new run takes the folder over"),
+    Fault("resume-changes-parameters", "a resume whose recipe changes the parameters",
+          r"was trained with other parameters than this recipe builds",
+          covered_by="tests/integration/test_run_folder.py::test_resume_with_lora_flipped_is_refused_and_writes_nothing",
+          fix="change those settings back, or start a new run in another train.output_dir"),
+    Fault("resume-safe-changes", "a resume with settings changed that leave the parameters alone",
+          r"with these settings changed \(none alters the parameters\)",
+          covered_by="tests/integration/test_run_folder.py::test_resume_with_another_lr_is_allowed_and_the_change_listed",
+          fix="nothing: the changes are listed and used"),
+    Fault("data-error-ranks", "a data error in a run of several ranks", r"data.jsonl:\d+: malformed JSON",
+          covered_by="tests/integration/test_data_errors.py::test_a_malformed_line_is_one_error_naming_file_and_line",
+          fix="fix the line and run the same command again"),
+    Fault("utf8-bom", "a UTF-8 file with a byte-order mark", r"",
+          covered_by="tests/unit/test_data_input.py::test_a_byte_order_mark_is_read_as_no_mark", fix="nothing"),
+    Fault("not-utf8", "bytes that are not UTF-8", r":\d+:\d+: byte 0x.. is not UTF-8",
+          covered_by="tests/unit/test_data_input.py::test_bytes_that_are_not_utf8_are_named_by_line_and_column",
+          fix="save the file as UTF-8"),
+    Fault("json-array-as-jsonl", "a JSON array saved as .jsonl", r"rename it to .*\.json",
+          covered_by="tests/unit/test_data_input.py::test_a_json_array_saved_as_jsonl_is_named_and_json_suggested",
+          fix="rename the file to .json"),
+    Fault("jsonl-as-json", "JSON Lines saved as .json", r"rename it to .*\.jsonl",
+          covered_by="tests/unit/test_data_input.py::test_json_lines_saved_as_json_is_named_and_jsonl_suggested",
+          fix="rename the file to .jsonl"),
+    Fault("folder-not-dataset", "a data.path folder that save_to_disk did not write", r"is not a dataset saved by",
+          covered_by="tests/unit/test_data_input.py::test_a_folder_that_is_not_a_saved_dataset_lists_what_zerotune_reads",
+          fix="point data.path at a file, or save the dataset with save_to_disk"),
+    Fault("unknown-data-suffix", "a data file of a type zerotune does not read", r"unknown data file type",
+          covered_by="tests/unit/test_data_input.py::test_an_unknown_suffix_lists_what_zerotune_reads",
+          fix="convert the file to one of the types listed"),
+    Fault("unreadable-table", "a CSV, Parquet or Arrow file its reader cannot parse", r"not a readable csv file",
+          covered_by="tests/unit/test_data_input.py::test_an_unreadable_csv_is_a_data_error",
+          fix="fix the file or write it again"),
+    Fault("disk-full-save", "the disk fills up while a checkpoint is written", r"the disk is full",
+          covered_by="tests/integration/test_disk_full.py::test_a_full_disk_ends_the_save_cleanly_and_the_last_checkpoint_resumes",
+          fix="free space, lower train.keep_last or move the run folder, then train.resume=auto"),
+    Fault("output-full-keep-last", "a run folder without room for the checkpoints that exist at once",
+          r"checkpoints need about",
+          covered_by="tests/unit/test_checkpoint.py::test_space_check_counts_the_checkpoints_that_exist_at_once",
+          fix="free space, another train.output_dir, a lower train.keep_last, or train.save_every=0"),
+    Fault("hostfile-one-machine-twice", "two hostfile lines that reach one machine", r"are one machine",
+          covered_by="tests/unit/test_launcher.py::test_one_machine_under_two_names_is_refused",
+          fix="keep one line for that machine, with all its slots"),
+    Fault("hostfile-brackets", "brackets around something that is not an IPv6 address", r"brackets hold an IPv6 address",
+          covered_by="tests/unit/test_launcher.py::test_bracketed_ipv6_is_read_bare_and_local", fix="drop the brackets"),
+    Fault("export-nothing-to-export", "zerotune export on a folder with neither a checkpoint nor a final export",
+          r"has neither a complete checkpoint",
+          covered_by="tests/integration/test_export_run.py::test_a_folder_with_neither_says_what_it_lacks",
+          fix="give the folder of a finished run"),
+    Fault("merge-full-fine-tune", "zerotune export --merge of a full fine-tune", r"there is no adapter to merge",
+          covered_by="tests/integration/test_export_run.py::test_merge_of_a_full_run_is_refused",
+          fix="drop --merge: the export is already a complete HF model"),
+    Fault("merge-random-init-base", "--merge of a LoRA run on a random-init base without checkpoints", r"has no weights",
+          covered_by="tests/integration/test_export_run.py::test_merge_onto_a_random_init_base_is_refused",
+          fix="train with train.save_every>0 and export a checkpoint with --merge"),
+    Fault("doctor-node-down", "zerotune launch --doctor with a node whose sshd is down", r"FAIL .* reach",
+          covered_by="tests/integration/test_launcher.py::test_doctor_names_a_node_whose_sshd_is_down_within_30s",
+          fix="start sshd on that node or fix its name"),
+    Fault("doctor-lost-rank", "a doctor rank that never answers or is lost", r"no answer|was lost",
+          covered_by="tests/unit/test_doctor.py::test_silent_and_lost_ranks_are_named",
+          fix="look at the named rank's node; --doctor-timeout changes the wait"),
+    Fault("doctor-wrong-ifname", "NCCL_SOCKET_IFNAME or GLOO_SOCKET_IFNAME naming no interface of the node",
+          r"names no interface of this node",
+          covered_by="tests/unit/test_doctor.py::test_interface_names_as_nccl_and_gloo_read_them",
+          fix="set it to the interface that reaches the other nodes, or unset it"),
+    Fault("doctor-tcp-fallback", "NCCL on TCP sockets between nodes that have InfiniBand/RoCE devices",
+          r"fell back to TCP sockets",
+          covered_by="tests/unit/test_doctor.py::test_socket_fallback_between_nodes_is_flagged",
+          fix="fix the IB stack or NCCL_IB_HCA"),
+    Fault("stalled-rank", "a rank that stops responding mid-run", r"stalled: no progress",
+          covered_by="tests/integration/test_stall.py::test_stopped_rank_ends_the_run_named_with_its_phase",
+          fix="look at the named process (ps, py-spy dump), then train.resume=auto"),
+    Fault("rank-behind-in-collective", "a rank that never reaches a collective the others wait in", r"is behind",
+          covered_by="tests/integration/test_stall.py::test_checkpoint_resumes_and_a_rank_asleep_in_a_collective_is_named",
+          fix="read the named rank's stack file, then train.resume=auto"),
 ]
 
 
@@ -229,11 +309,11 @@ def test_the_table_has_at_least_20_rows():
     assert len(FAULTS) >= 20 and len({f.id for f in FAULTS}) == len(FAULTS)
 
 
-def test_readme_troubleshooting_lists_every_row():
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
-    section = readme.split("## Troubleshooting", 1)[1].split("\n## ", 1)[0]
-    for fault in FAULTS:
-        assert f"`{fault.id}`" in section, f"README Troubleshooting misses {fault.id}"
+def test_troubleshooting_page_lists_every_row():
+    """docs/troubleshooting.md has a table row for each fault, its id in the first column."""
+    with open(os.path.join(ROOT, "docs", "troubleshooting.md")) as f:
+        rows = set(re.findall(r"^\| `([\w-]+)` \|", f.read(), re.M))
+    missing = [fault.id for fault in FAULTS if fault.id not in rows]
+    assert missing == [], f"docs/troubleshooting.md has no row for {missing}"
 
 

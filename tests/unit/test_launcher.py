@@ -261,3 +261,49 @@ def test_openmpi_filters_whole_hosts_through_a_hostfile(tmp_path, monkeypatch, c
 
 
 
+# ---------------------------------------------------------------- one machine, two names; bracketed IPv6
+
+
+def test_one_machine_under_two_names_is_refused(tmp_path, capsys, monkeypatch):
+    """`localhost`, 127.0.0.1 and ::1 are this machine however they are written: DeepSpeed would start both lines'
+    ranks on it, on the same local GPUs. The message names both lines. Other loopback addresses (the two-"node"
+    sshd of the real runs) and names that resolve nowhere (the preflight reports those) still load."""
+    monkeypatch.chdir(tmp_path)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n# the same machine again:\n127.0.0.1 slots=2\n")
+    with pytest.raises(HostfileError, match=re.escape(
+            f"{hostfile}:3: 127.0.0.1 and {hostfile}:1: localhost are one machine (both reach this machine): "
+            f"DeepSpeed would start both lines' ranks there, on the same GPUs. Keep one line for it, with all its slots")):
+        load_hostfile(str(hostfile))
+    hostfile.write_text("127.0.0.2 slots=1\nlocalhost slots=1\n[::1] slots=1\n")
+    with pytest.raises(HostfileError, match=re.escape(f"{hostfile}:3: ::1 and {hostfile}:2: localhost are one machine")):
+        load_hostfile(str(hostfile))
+    assert launcher.main(["--hostfile", str(hostfile), "--dry-run"]) == 2
+    assert "zerotune launch: error: " in capsys.readouterr().err
+    hostfile.write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\nno-such-node.invalid slots=1\n")
+    assert load_hostfile(str(hostfile)) == {"127.0.0.1": 1, "127.0.0.2": 1, "no-such-node.invalid": 1}
+
+
+def test_bracketed_ipv6_is_read_bare_and_local(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("[::1] slots=2\n")
+    assert load_hostfile(str(hostfile)) == {"::1": 2}
+    assert launcher.main(["--hostfile", str(hostfile), "--master-port", "29611", "--dry-run", "--", *TRAIN_ARGS]) == 0
+    out = capsys.readouterr().out
+    # This machine: started here (no ssh, no --force_multi), from a hostfile naming it as pdsh and ssh take it.
+    assert re.search(r"\nruns/hostfile-\w{8}:\n::1 slots=2\n", out), out
+    assert re.search(r"--hostfile runs/hostfile-\w{8} --master_addr ::1 --master_port 29611 --no_ssh_check ", out), out
+    assert "--force_multi" not in out
+    from finetune.multinode import preflight  # the master-port check binds an IPv6 address too
+
+    with socket.socket(socket.AF_INET6) as probe:
+        probe.bind(("::1", 0))
+        port = probe.getsockname()[1]
+    report = preflight.run_preflight({"::1": 2}, preflight.Transport("local"), output_dir=str(tmp_path / "o"),
+                                     master_addr="::1", master_port=port)
+    assert report.rows[0].cells["port"] == "free", report.table()
+    for text, message in [("[::1] slots=1\n::1 slots=1\n", r"hf:2: ::1 is listed twice \(first on line 1\)"),
+                          ("[node1] slots=1\n", r"hf:1: '\[node1\]': brackets hold an IPv6 address")]:
+        with pytest.raises(HostfileError, match=message):
+            parse_hostfile(text, "hf")

@@ -1,6 +1,6 @@
 """The package's shape: which room may import which, no import cycles, no module past 400 lines.
 
-The rules (README, "How it works"): nothing but the `zerotune` dispatcher imports `commands/`; `multinode/` imports
+The rules (docs/architecture.md): nothing but the `zerotune` dispatcher imports `commands/`; `multinode/` imports
 no training module (a launcher host may lack the GPU stack's state, and a launch must never train in-process);
 `data/` never imports the model or the speed-ups; every speed-up is applied only by `perf/__init__.py`.
 """
