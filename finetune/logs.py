@@ -86,6 +86,10 @@ def setup(verbose: bool = False) -> int:
             handler.setLevel(lvl)
     else:
         warnings.filterwarnings("ignore", category=FutureWarning, module=LIBRARIES)
+        # torch's C++ warnings (c10d's "hostname of the client socket cannot be retrieved" where a loopback address
+        # has no reverse DNS entry, once per rank) follow TORCH_CPP_LOG_LEVEL, read when torch is first imported:
+        # this process's, if it has not imported torch yet, and every process it starts. Set by hand, it stays.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     return lvl
 
 

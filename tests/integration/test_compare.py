@@ -4,6 +4,7 @@
 import json
 import os
 import subprocess
+import sys
 import pytest
 from PIL import Image
 from tests.helpers import ROOT, SMALL_VOCAB, TINY_RECIPE, loopback_env
@@ -63,3 +64,24 @@ def test_plots_are_drawn_from_these_runs(compared):
             assert [d["points"]["loss"] for d in source] == [3] * 4
             source = [d["run_dir"] for d in source]
         assert source == run_dirs
+
+
+def test_without_matplotlib_compare_exits_0_with_its_summary(tmp_path, monkeypatch, capsys):
+    """The whole command, in this process, with `import matplotlib` failing as when it is not installed: one stage
+    trains (a real launch), then summary.md and summary.json are written, the plots are skipped with a note, exit 0."""
+    from finetune.commands.compare import main
+
+    for key, value in loopback_env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    out = tmp_path / "cmp"
+    code = main(["--config", TINY_RECIPE, "--stages", "2", "--steps", "1", "--gpus", "1", "--out", str(out),
+                 "data.max_seq_len=64", f"model.path={SMALL_VOCAB}", f"model.tokenizer={SMALL_VOCAB}"])
+    err = capsys.readouterr().err
+    assert code == 0, err[-3000:]
+    assert "plots skipped: matplotlib is not installed" in err and "pip install 'zerotune[plot]'" in err
+    summary = json.load(open(out / "summary.json"))
+    assert [r["name"] for r in summary["runs"]] == ["zero2"] and summary["plots"] == {}
+    assert summary["runs"][0]["losses"] and "| zero2 | 2 | no |" in (out / "summary.md").read_text()
+    assert not list(out.glob("*.png"))

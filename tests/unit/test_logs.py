@@ -3,6 +3,7 @@ libraries' FutureWarnings only with --verbose / ZEROTUNE_LOG=info; a recipe erro
 The quiet output of a whole run through the launcher: tests/integration/test_docs_commands.py (the quickstart)."""
 
 import logging
+import os
 import time
 import warnings
 
@@ -27,8 +28,10 @@ class Lines(logging.Handler):
 
 @pytest.fixture
 def restore(monkeypatch):
-    """DeepSpeed's logger levels and ZEROTUNE_LOG as they were; pytest restores the warning filters itself."""
+    """DeepSpeed's logger levels, ZEROTUNE_LOG and TORCH_CPP_LOG_LEVEL as they were; pytest restores the warning
+    filters itself."""
     monkeypatch.delenv(logs.ENV, raising=False)
+    monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
     levels = ds_logger.level, [h.level for h in ds_logger.handlers]
     yield monkeypatch
     ds_logger.setLevel(levels[0])
@@ -133,3 +136,17 @@ def test_a_recipe_error_is_printed_at_once_by_local_rank_0_later_by_the_others(r
     assert printed["0"] == printed["1"] and printed["0"].count("zerotune: error:") == 1
     assert printed["0"].startswith("zerotune: error: command-line override 'train.max_step=3': unknown key")
     assert waited["0"] < 1.0 <= waited["1"]
+
+
+def test_torch_cpp_warnings_are_hidden_by_default_shown_when_verbose_and_a_users_level_stays(restore):
+    """c10d's C++ warnings (a loopback address without a reverse DNS entry gives one per rank) follow
+    TORCH_CPP_LOG_LEVEL, which the ranks inherit from the process that starts them."""
+    logs.setup()
+    assert os.environ["TORCH_CPP_LOG_LEVEL"] == "ERROR"
+    restore.delenv("TORCH_CPP_LOG_LEVEL")
+    logs.setup(verbose=True)
+    assert "TORCH_CPP_LOG_LEVEL" not in os.environ
+    restore.delenv(logs.ENV, raising=False)
+    restore.setenv("TORCH_CPP_LOG_LEVEL", "INFO")
+    logs.setup()
+    assert os.environ["TORCH_CPP_LOG_LEVEL"] == "INFO"
