@@ -17,6 +17,7 @@ from typing import Any
 from finetune import checkpoint, dist, resume_check, runlock
 from finetune.config import ConfigError, Recipe, load_recipe, recipe_to_dict, sections
 from finetune.data.registry import get_format, load_plugins
+from finetune.data.sources import READABLE
 from finetune.data.tokenizer import load_tokenizer
 from finetune.ds_config import emulated_bf16_note, resolve_ds_config, zero_stage
 from finetune.loggers import check_backends
@@ -140,5 +141,4 @@ def _check_tokenizer_and_data(recipe: Recipe) -> None:
         raise ConfigError(str(e)) from None
     for key, path in (("data.path", recipe.data.path), ("data.eval_path", recipe.data.eval_path)):
         if path and not os.path.exists(path):
-            raise ConfigError(f"{key} {path!r} not found: point it at a local JSONL/JSON/Parquet/CSV/Arrow file or a "
-                              f"save_to_disk folder")
+            raise ConfigError(f"{key} {path!r} not found: point it at a local file or folder; zerotune reads {READABLE}")

@@ -192,8 +192,11 @@ def _stop_on_nonfinite(engine, run: Run, step: int, micro_batches: list, losses:
     padded = torch.full((dist.world_size(), max(width, 1)), -1, dtype=torch.long)
     padded[dist.rank(), :len(bad)] = torch.tensor(bad, dtype=torch.long)
     everyone = dist.all_reduce_sum(padded.double() + 1).long() - 1  # each rank's row, the others' zeros
-    path = checkpoint.save(engine, t.output_dir, step, t.keep_last,
-                           {**run.resolved_config(), "note": "state before a non-finite loss"})
+    try:
+        path = checkpoint.save(engine, t.output_dir, step, t.keep_last,
+                               {**run.resolved_config(), "note": "state before a non-finite loss"})
+    except checkpoint.SaveError as e:  # raised on every rank alike (a full disk): the run still ends with exit 3
+        raise TrainingError(f"non-finite loss at step {step + 1}, and the state before it could not be saved: {e}") from None
     per_rank = {r: [i for i in everyone[r].tolist() if i >= 0] for r in range(dist.world_size())}
     samples = "; ".join(f"rank {r}: {ids}" for r, ids in per_rank.items() if ids)
     raise TrainingError(
