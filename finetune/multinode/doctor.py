@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from finetune.multinode.jobwatch import Failure, JobWatch, span
-from finetune.multinode.jobwatch import _stop as stop_job
+from finetune.multinode.jobwatch import next_line, pump_lines, stop_job
 from finetune.multinode.plan import LaunchPlan
 
 TAG = "ZEROTUNE_DOCTOR "
@@ -297,22 +297,13 @@ def run_doctor(plan: LaunchPlan, command: list[str], *, timeout: float) -> Docto
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, bufsize=1, start_new_session=True,
     )
     lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:
-        for text in proc.stdout:
-            lines.put(text)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
+    threading.Thread(target=pump_lines, args=(proc.stdout, lines), daemon=True).start()
     deadline, stop_at = start + timeout + STARTUP_S, None
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if main_thread else None  # as Ctrl-C
     try:
         while True:
-            try:
-                line = lines.get(timeout=0.5)
-            except queue.Empty:
-                line = ""
+            line = next_line(lines)
             if line is None or (line == "" and proc.poll() is not None):  # the end, or the runner gone and all quiet
                 break
             report.feed(line)

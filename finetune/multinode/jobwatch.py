@@ -55,12 +55,12 @@ def run_job(plan: LaunchPlan, *, grace: float) -> int:
         start_new_session=True,  # Ctrl-C reaches us only: DeepSpeed's runner answers it with `pkill -f`
     )
     lines: queue.Queue[str | None] = queue.Queue()
-    threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
+    threading.Thread(target=pump_lines, args=(proc.stdout, lines), daemon=True).start()
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_interrupt) if main_thread else None
     failed_at, stopped = None, False
     try:
-        while (line := _next_line(lines)) is not None:
+        while (line := next_line(lines)) is not None:
             sys.stdout.write(line)
             sys.stdout.flush()
             if (failure := watch.feed(line)) and failed_at is None:
@@ -68,12 +68,12 @@ def run_job(plan: LaunchPlan, *, grace: float) -> int:
                 print(f"zerotune launch: {failure}; the other ranks get {grace:.0f} s to stop", flush=True)
             if failed_at is not None and not stopped and time.monotonic() - failed_at > grace:
                 print("zerotune launch: ranks still running; stopping the job on every host", flush=True)
-                _stop(plan, proc)
+                stop_job(plan, proc)
                 stopped = True
         code = proc.wait()
     except KeyboardInterrupt:
         print("zerotune launch: interrupted; stopping the job on every host", flush=True)
-        _stop(plan, proc)
+        stop_job(plan, proc)
         return 130
     finally:
         if previous is not None:
@@ -85,13 +85,13 @@ def run_job(plan: LaunchPlan, *, grace: float) -> int:
     return 0
 
 
-def _pump(stream: IO[str], lines: queue.Queue) -> None:
+def pump_lines(stream: IO[str], lines: queue.Queue) -> None:
     for line in stream:
         lines.put(line)
     lines.put(None)
 
 
-def _next_line(lines: queue.Queue) -> str | None:
+def next_line(lines: queue.Queue) -> str | None:
     """The next line of output, '' after half a second of silence (so the grace clock still ticks), None at the end."""
     try:
         return lines.get(timeout=0.5)
@@ -103,7 +103,7 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _stop(plan: LaunchPlan, proc: subprocess.Popen) -> None:
+def stop_job(plan: LaunchPlan, proc: subprocess.Popen) -> None:
     """Stop this job only. pdsh: kill its processes on each host by master address and port, and never SIGTERM
     DeepSpeed's runner (its handler runs `pkill -f` on every DeepSpeed launch). Others: SIGTERM our process group."""
     if plan.launcher == "pdsh" and not plan.local:
