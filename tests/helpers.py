@@ -15,6 +15,7 @@ from finetune.dist import free_port  # noqa: F401  (tests import it from here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_BIN = os.path.dirname(sys.executable)
+PCH_CC = os.path.join(ROOT, "tests", "fixtures", "pch_cc")  # a `c++` in front of the real one (its own comment says why)
 TINY_CONFIG = os.path.join(ROOT, "recipes", "tiny_model", "config.json")
 TINY_RECIPE = os.path.join(ROOT, "recipes", "tiny.yaml")
 # The tiny model with a 512-piece tokenizer (tests/fixtures/make_small_vocab.py): for tests whose subject is not the
@@ -45,8 +46,9 @@ def loopback_env(**extra: str) -> dict[str, str]:
         PYTHONUNBUFFERED="1",
         TOKENIZERS_PARALLELISM="false",
         OMP_NUM_THREADS="1",
-        # The venv's ninja first: /usr/bin/ninja would discard its build log and JIT-rebuild DeepSpeed's ops.
-        PATH=VENV_BIN + os.pathsep + env.get("PATH", ""),
+        # The venv's ninja first: /usr/bin/ninja would discard its build log and JIT-rebuild DeepSpeed's ops. Before
+        # it, the `c++` that builds the async I/O op against a precompiled torch header (tests/fixtures/pch_cc).
+        PATH=os.pathsep.join((PCH_CC, VENV_BIN, env.get("PATH", ""))),
     )
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".cache", "torch_extensions"))
     env.update(extra)
