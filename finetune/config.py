@@ -33,7 +33,8 @@ class ModelConfig:
     random_init: bool = False
     """Build the model from config.json alone with seeded random weights (tests, benchmarks); implied when the folder holds no weights."""
     init_seed: int = 0
-    """Seed of the random init (independent of train.seed, so data order and init can be varied separately)."""
+    """Seed of the random init (independent of train.seed, so data order and init can be varied separately); the same
+    seed gives the same weights on every ZeRO stage and world size."""
     attn_implementation: str = "sdpa"
     """`sdpa`, `eager` or `flash_attention_2` (packing stays leak-free with each: masks or varlen from position_ids)."""
     activation_checkpointing: Literal["auto", "none", "selective", "full"] = "auto"
@@ -137,6 +138,10 @@ class TrainConfig:
     """Optimizer steps between checkpoints (0 = none); the last step is always saved when > 0."""
     keep_last: int = 2
     """Complete checkpoints kept; older ones are removed only after a newer one is complete (0 = keep all)."""
+    portable_checkpoints: bool = True
+    """Also write each checkpoint's trained weights (fp32) and Adam moments by parameter name (its portable/ folder),
+    so that it resumes on another number of GPUs or another ZeRO stage. false saves that space (12 bytes per trained
+    parameter); such a checkpoint resumes on the layout it was saved with (ZeRO-1/2 also on another GPU count)."""
     resume: str | None = None
     """`auto` = the newest complete checkpoint in output_dir (start fresh if none), or a checkpoint / run folder path."""
     stop_at: int = 0

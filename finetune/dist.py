@@ -159,6 +159,17 @@ def all_reduce_max_each(values: list[float]) -> list[float]:
     return t.cpu().tolist()
 
 
+def all_gather_object(obj: object) -> list:
+    """Every rank's `obj` (anything picklable), in rank order, on every rank; [obj] without a process group."""
+    import torch  # lazy: the launcher and tokenizer workers import dist without torch
+
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        out: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
 def barrier() -> None:
     import torch  # lazy: the launcher and tokenizer workers import dist without torch
 

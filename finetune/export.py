@@ -5,10 +5,11 @@
 
 `zerotune export RUN` takes the run's newest complete checkpoint, else its final export (RUN/export, written at the end
 of training while train.export is on: the HF model of a full run, the adapter of a LoRA run), so a run trained with
-train.save_every=0 exports too. Parameters are gathered one decoder layer at a time (ZeRO-3 `GatheredParameters`),
-copied to CPU by rank 0 and written in shards, so no rank ever holds the whole model at once. The folder is written
-under `<out>.tmp` and renamed into place when complete; its tokenizer loads with AutoTokenizer and carries the chat
-template the run trained on (finetune/export_tokenizer.py).
+train.save_every=0 exports too. A checkpoint's files are checked against its manifest.json before any is read: a
+damaged one is refused, naming its bad files. Parameters are gathered one decoder layer at a time (ZeRO-3
+`GatheredParameters`), copied to CPU by rank 0 and written in shards, so no rank ever holds the whole model at once.
+The folder is written under `<out>.tmp` and renamed into place when complete; its tokenizer loads with AutoTokenizer
+and carries the chat template the run trained on (finetune/export_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 from safetensors.torch import save_file
 
 from finetune import dist
-from finetune.checkpoint import ENGINE_TAG, MARKER, STEP_DIR, complete_checkpoints, find_latest
+from finetune.checkpoint import ENGINE_TAG, MARKER, STEP_DIR, complete_checkpoints, find_latest, manifest
 from finetune.config import ConfigError, load_recipe
 from finetune.data.tokenizer import load_tokenizer
 from finetune.ds_config import bf16_enabled, zero_stage
@@ -152,7 +153,9 @@ def export_engine(engine, out: str, tokenizer, lora: bool, merge: bool = False) 
 
 
 def export_checkpoint(checkpoint_path: str, out: str, merge: bool) -> str:
-    """Offline export of a saved checkpoint, in this one process, from the engine's own fp32 master weights."""
+    """Offline export of a saved checkpoint, in this one process, from the engine's own fp32 master weights. Its
+    files are checked against its manifest first: a damaged checkpoint is refused, naming its bad files."""
+    _verify(checkpoint_path)
     with open(os.path.join(checkpoint_path, MARKER)) as f:
         meta = json.load(f)
     recipe, ds = meta["recipe"], meta["ds_config"]
@@ -178,6 +181,20 @@ def export_checkpoint(checkpoint_path: str, out: str, merge: bool) -> str:
     tokenizer = load_tokenizer(r.model.tokenizer or r.model.path)
     dtype = torch.bfloat16 if bf16_enabled(ds) else torch.float32
     return export_module(model, out, tokenizer, r.lora.enabled, merge=merge, dtype=dtype)
+
+
+def _verify(checkpoint_path: str) -> None:
+    """Every file of the checkpoint as its save wrote it (size and checksum), else a ConfigError naming the bad ones."""
+    problems = manifest.verify(checkpoint_path)
+    if not problems:
+        if not manifest.has_manifest(checkpoint_path):
+            print(manifest.unverified_note(checkpoint_path), file=sys.stderr, flush=True)
+        return
+    run_dir = os.path.dirname(os.path.dirname(os.path.normpath(checkpoint_path)))
+    steps = [s for s, p in complete_checkpoints(run_dir) if os.path.normpath(p) != os.path.normpath(checkpoint_path)]
+    raise ConfigError(f"{checkpoint_path!r} does not match its {manifest.MANIFEST}, its files changed after the save: "
+                      f"{manifest.summary(problems)}. Restore the files named from a copy, or export another checkpoint "
+                      f"with --step N (other complete checkpoints: {', '.join(map(str, steps)) or 'none'})")
 
 
 def export_final(run_dir: str, out: str, merge: bool) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from finetune import init_weights
 from finetune.config import ConfigError, LoraConfig, ModelConfig
 from finetune.ds_config import bf16_enabled, zero_stage
 
@@ -64,6 +65,9 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, ds_config: dict[st
     if model_cfg.random_init or not has_weights(model_cfg.path):
         torch.manual_seed(model_cfg.init_seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=model_cfg.attn_implementation)
+        # transformers' draw depends on the stage (zero.Init draws module by module on rank 0): redrawn from the seed
+        # and each parameter's name, the weights are the same on every stage and world size
+        init_weights.initialize(model, model_cfg.init_seed)
     else:
         model = AutoModelForCausalLM.from_pretrained(
             model_cfg.path, config=config, dtype=dtype, attn_implementation=model_cfg.attn_implementation

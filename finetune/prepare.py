@@ -19,7 +19,7 @@ from finetune.config import ConfigError, Recipe, load_recipe, recipe_to_dict, se
 from finetune.data.registry import get_format, load_plugins
 from finetune.data.sources import READABLE
 from finetune.data.tokenizer import load_tokenizer
-from finetune.ds_config import emulated_bf16_note, resolve_ds_config, zero_stage
+from finetune.ds_config import emulated_bf16_note, resolve_ds_config
 from finetune.loggers import check_backends
 from finetune.memory import budget
 from finetune.model import check_model_dir
@@ -36,12 +36,19 @@ class Run:
     resume_from: str | None = None
     plan: Any = None
     """The memory plan (finetune.memory.budget.MemoryPlan) when train.gpu_memory_gib or --deepspeed auto chose the settings."""
+    data_start: tuple[int, int, int] = (0, 0, 0)
+    """(step, epoch, row): the step whose rows begin at that row of that epoch; set when the data is loaded (a run
+    resumed with other rows per step than the saved run's starts at its row: finetune/data/loader.py)."""
 
     def resolved_config(self) -> dict[str, Any]:
         """The recipe, DeepSpeed JSON and model shape as resolved, as checkpoints and the metric back-ends keep them
-        (a resume compares them: finetune/resume_check.py)."""
+        (a resume compares them: finetune/resume_check.py), and the data position a resume continues from."""
+        t = self.recipe.train
+        step, epoch, row = self.data_start
         return {"recipe": recipe_to_dict(self.recipe), "ds_config": self.ds,
-                "model_config": resume_check.shape(self.model_config)}
+                "model_config": resume_check.shape(self.model_config),
+                "data_position": {"step": step, "epoch": epoch, "row": row,
+                                  "rows_per_step": t.micro_batch_size * t.grad_accum * dist.world_size()}}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -110,15 +117,11 @@ def _check_output_and_resume(recipe: Recipe, ds: dict[str, Any], model_config: d
     resume_from = checkpoint.resolve_resume(recipe.train.resume, out)
     run = Run(recipe, ds, model_config, resume_from, plan)
     changed = resume_check.check(resume_from, run.resolved_config()) if resume_from else []
-    if resume_from and zero_stage(ds) == 3 and checkpoint.saved_world_size(resume_from) != dist.world_size():
-        # DeepSpeed 0.19.8's universal conversion of a ZeRO-3 checkpoint restores the weights exactly but not Adam's
-        # state, so the loss curve drifts (docs/benchmarks/2026-11-30-cpu-zero3-resume.md); ZeRO-1/2 continue on it.
-        raise ConfigError(
-            f"{resume_from} was saved by {checkpoint.saved_world_size(resume_from)} rank(s) under ZeRO-3; resume it on "
-            f"that many ranks, or export it (zerotune export) and start a new run: ZeRO-3 checkpoints do not "
-            f"reshard exactly to {dist.world_size()} rank(s) (ZeRO-1/2 checkpoints do)")
+    if resume_from:
+        checkpoint.resume_route(resume_from, ds)  # ConfigError when it cannot resume on this layout
     lora_fraction = 0.01 if recipe.lora.enabled else None
-    needed = checkpoint.estimate_checkpoint_bytes(model_config, lora_fraction) if recipe.train.save_every > 0 else 0
+    needed = (checkpoint.estimate_checkpoint_bytes(model_config, lora_fraction, recipe.train.portable_checkpoints)
+              if recipe.train.save_every > 0 else 0)
     # Room for train.keep_last complete checkpoints beside the one being written (every checkpoint of the run when
     # keep_last=0), less those already there: checkpoint.new_checkpoints_at_once.
     checkpoint.check_output_dir(out, needed, *checkpoint.checkpoints_to_fit(recipe.train, resume_from))

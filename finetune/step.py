@@ -5,7 +5,8 @@
 
 A step runs each micro-batch's forward and backward, stops before the optimizer step if any rank's loss is not
 finite, steps, then builds the next step's micro-batches while the device still works, reducing their target count
-in the same collective as this step's sums. Every rank runs the same collectives in the same order.
+in the same collective as this step's sums, with each rank's note of a stopping signal (finetune/preempt.py), so
+that every rank stops after the same step. Every rank runs the same collectives in the same order.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from finetune import checkpoint, dist
+from finetune import checkpoint, dist, preempt
 from finetune.config import Recipe
 from finetune.data.loader import StepLoader, eval_micro_batches
 from finetune.data.samples import TokenizedData
@@ -75,6 +76,8 @@ class StepResult:
     """A float or 0-d tensor; None where nothing computed it."""
     peak_gib: float
     reserved_gib: float
+    stop: str = ""
+    """The signal any rank received by the end of this step (`SIGTERM`): the run stops after it; '' to go on."""
 
 
 def train_step(loop: Loop, step: int, upcoming: tuple | None) -> tuple[StepResult, tuple | None]:
@@ -117,20 +120,22 @@ def train_step(loop: Loop, step: int, upcoming: tuple | None) -> tuple[StepResul
                 engine.step()
     # The host is ahead of the device here (the optimizer step is still running there): build the next step's
     # micro-batches now, and reduce their target count with this step's sums in one collective, so the next
-    # step's first kernel follows this step's last without the device waiting for the host.
+    # step's first kernel follows this step's last without the device waiting for the host. The signal votes ride
+    # in the same collective: a signal reaches the ranks at different moments, the sum reaches them all alike.
     PROGRESS.mark("data")
     following = loop.loader.step(step + 1) if step + 1 < loop.end_step else None
     lengths = [int(n) for mb in micro_batches for n in mb["sample_lengths"]]
-    local = torch.tensor([sum(lengths), training_flops(engine.module.config, lengths), _target_count(following or [])],
-                         dtype=torch.float64, device=losses[0].device)
+    local = torch.tensor([sum(lengths), training_flops(engine.module.config, lengths), _target_count(following or []),
+                          *preempt.votes()], dtype=torch.float64, device=losses[0].device)
     loss_sum = torch.stack(losses).double().sum().reshape(1)
     PROGRESS.mark("step sums")
-    loss_sum, tokens, flops, next_targets = dist.all_reduce_sum(torch.cat([loss_sum, local])).tolist()
+    loss_sum, tokens, flops, next_targets, *votes = dist.all_reduce_sum(torch.cat([loss_sum, local])).tolist()
     seconds = time.perf_counter() - start
     if not loop.own_clipping:
         grad_norm = engine.get_global_grad_norm()
     peak_gib, reserved_gib = dist.all_reduce_max_each([peak_memory_gib(), peak_reserved_gib()])
-    result = StepResult(lr, loss_sum, n_targets, tokens, flops, seconds, grad_norm, peak_gib, reserved_gib)
+    result = StepResult(lr, loss_sum, n_targets, tokens, flops, seconds, grad_norm, peak_gib, reserved_gib,
+                        preempt.agreed(votes))
     return result, ((following, next_targets) if following is not None else None)
 
 

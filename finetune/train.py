@@ -21,7 +21,8 @@ import deepspeed
 import torch
 import yaml
 
-from finetune import checkpoint, dist, logs, perf, runlock, watchdog
+from finetune import checkpoint, dist, logs, perf, preempt, runlock, watchdog
+from finetune import resume_check
 from finetune.config import ConfigError, recipe_to_dict
 from finetune.data import ReportedElsewhere, build_datasets
 from finetune.data.loader import StepLoader
@@ -78,11 +79,22 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
 
 
 def _setup(run: Run) -> set[str] | None:
-    """Join the process group, cap GPU memory, seed this rank. Returns the entries of the run's tokenization cache
-    (output_dir/.cache) before this run (None: no cache yet), so that a data error can remove what this run added."""
+    """Join the process group, verify the checkpoint to resume (run.resume_from), cap GPU memory, seed this rank.
+    Returns the entries of the run's tokenization cache (output_dir/.cache) before this run (None: no cache yet), so
+    that a data error can remove what this run added."""
     t = run.recipe.train
     watchdog.enable_flight_recorder(t.stall_timeout_s)  # read by torch when the process group starts
     dist.init()
+    # The checkpoint to resume, its files checked against its manifest by all ranks together: a damaged one gives way
+    # to the one before under train.resume=auto (checked against this recipe as prepare checked the first pick); a
+    # damaged one named by train.resume ends the run, naming its bad files.
+    try:
+        chosen = checkpoint.verified_resume(t.resume, run.resume_from, t.output_dir)
+        if chosen != run.resume_from:
+            resume_check.check(chosen, run.resolved_config())
+            run.resume_from = chosen
+    except ConfigError as e:  # met by every rank alike: rank 0 reports it, once
+        raise (e if dist.is_main() else ReportedElsewhere(str(e))) from None
     cache_dir = os.path.join(t.output_dir, ".cache")
     cache_before = set(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else None
     dist.barrier()  # every rank has checked the output dir (prepare) and its cache before any rank writes into them
@@ -136,6 +148,9 @@ def _load_data(run: Run, cache_before: set[str] | None) -> tuple[Any, StepLoader
     dist.print0(f"data: {report.summary()}")
     loader = StepLoader(train_data, t.micro_batch_size, t.grad_accum, dist.world_size(), dist.rank(),
                         r.data.max_seq_len, r.data.packing, t.seed, tokenizer.pad_id, shuffle=r.data.shuffle)
+    saved = checkpoint.data_position(run.resume_from) if run.resume_from else None
+    if saved is not None:  # the saved run's next row, whatever its rows per step were
+        run.data_start = loader.start = loader.continuing_at(checkpoint.saved_step(run.resume_from), saved)
     return tokenizer, loader, eval_data
 
 
@@ -158,14 +173,13 @@ def _report_model(run: Run, model) -> None:
 
 
 def _build_engine(run: Run, model) -> tuple[Any, Any, Any]:
-    """The DeepSpeed engine, the optimizer and its lr schedule; a checkpoint saved on another number of ranks is
-    converted to a universal one first."""
-    world = dist.world_size()
+    """The DeepSpeed engine, the optimizer and its lr schedule; an older ZeRO-1/2 checkpoint (without portable/) saved
+    on another number of ranks is converted to a universal one first."""
     optimizer, scheduler = build_optimizer(model, run.recipe.optim, run.recipe.train.max_steps, run.ds)
     engine_cfg = engine_config(run.ds)
-    if run.resume_from and checkpoint.saved_world_size(run.resume_from) != world:
-        dist.print0(f"resuming a checkpoint of {checkpoint.saved_world_size(run.resume_from)} rank(s) on {world}: "
-                    f"converting it to a universal checkpoint")
+    route, why = checkpoint.resume_route(run.resume_from, run.ds) if run.resume_from else ("engine", "")
+    if route == "universal":
+        dist.print0(f"resuming {run.resume_from} on another layout ({why}): converting it to a universal checkpoint")
         checkpoint.prepare_reshard(run.resume_from)
         engine_cfg["checkpoint"] = {"load_universal": True}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=engine_cfg)
@@ -188,13 +202,16 @@ def _resume(run: Run, engine, optimizer, scheduler) -> int:
         # this run decides the lr of the next step (they differ when max_steps was raised to train longer).
         for group, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
             group["lr"] = base * fn(scheduler.last_epoch)
-        dist.print0(f"resumed from {run.resume_from} at step {start_step}")
+        note = checkpoint.resume_note(run.resume_from, run.ds, run.resolved_config()["data_position"],
+                                      run.recipe.lora.enabled)
+        dist.print0(f"resumed from {run.resume_from} at step {start_step}{note}")
     return start_step
 
 
 def _train_loop(loop: Loop, start_step: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Steps start_step..end_step, each followed by its record, eval and checkpoint at their cadence; returns the
-    records and the samples."""
+    records and the samples. SIGTERM or SIGUSR1 on any rank ends the step every rank is in, saves it (whatever
+    train.save_every) and raises preempt.Stopped on every rank."""
     run, engine, t = loop.run, loop.engine, loop.run.recipe.train
     log = MetricsLog(t.output_dir, t.max_steps, enabled=dist.is_main(), start_step=start_step, log_to=t.log_to,
                      run_config=run.resolved_config(), wandb_project=t.wandb_project)
@@ -202,28 +219,34 @@ def _train_loop(loop: Loop, start_step: int) -> tuple[list[dict[str, Any]], list
     samples = _sample(loop, 0) if start_step == 0 else []
     engine.train()
     upcoming = None  # the next step's micro-batches and global target count, made while the device ends this step
-    for step in range(start_step, loop.end_step):
-        result, upcoming = train_step(loop, step, upcoming)
-        PROGRESS.step_done(step + 1, result.seconds)
-        records.append(step_record(step + 1, result, loop.world, loop.peak_tflops))
-        log.write(records[-1])
-        if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
-            log.progress(records[-1])
-        last = step + 1 == loop.end_step
-        if loop.eval_data is not None and ((t.eval_every and (step + 1) % t.eval_every == 0) or last):
-            PROGRESS.mark("eval")
-            eval_loss = evaluate(engine, loop.eval_data, run.recipe, loop.world, loop.rank, loop.tokenizer.pad_id,
-                                 loop.device)
-            records.append({"step": step + 1, "eval_loss": eval_loss})
+    with preempt.watching():
+        for step in range(start_step, loop.end_step):
+            result, upcoming = train_step(loop, step, upcoming)
+            PROGRESS.step_done(step + 1, result.seconds)
+            records.append(step_record(step + 1, result, loop.world, loop.peak_tflops))
             log.write(records[-1])
-            dist.print0(f"eval at step {step + 1}: loss {eval_loss:.4f}")
-        if t.save_every > 0 and ((step + 1) % t.save_every == 0 or last):
-            PROGRESS.mark("save")
-            try:
-                path = checkpoint.save(engine, t.output_dir, step + 1, t.keep_last, run.resolved_config())
-            except checkpoint.SaveError as e:  # raised on every rank alike (a full disk): the run ends, exit 3
-                raise TrainingError(str(e)) from None
-            dist.print0(f"saved {path}")
+            if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
+                log.progress(records[-1])
+            last = step + 1 == loop.end_step
+            stop = "" if last else result.stop  # a signal in the last step: the run ends there as planned
+            # A stop skips the eval: the time before the job is killed is the save's.
+            if loop.eval_data is not None and not stop and ((t.eval_every and (step + 1) % t.eval_every == 0) or last):
+                PROGRESS.mark("eval")
+                eval_loss = evaluate(engine, loop.eval_data, run.recipe, loop.world, loop.rank, loop.tokenizer.pad_id,
+                                     loop.device)
+                records.append({"step": step + 1, "eval_loss": eval_loss})
+                log.write(records[-1])
+                dist.print0(f"eval at step {step + 1}: loss {eval_loss:.4f}")
+            if (t.save_every > 0 and ((step + 1) % t.save_every == 0 or last)) or stop:
+                PROGRESS.mark("save")
+                try:
+                    path = checkpoint.save(engine, t.output_dir, step + 1, t.keep_last, run.resolved_config())
+                except checkpoint.SaveError as e:  # raised on every rank alike (a full disk): the run ends, exit 3
+                    raise TrainingError(str(e)) from None
+                dist.print0(f"saved {path}")
+            if stop:
+                log.close()
+                raise preempt.Stopped(step + 1, f"by {stop}", preempt.ignored())
     log.close()
     return records, samples
 
@@ -282,7 +305,8 @@ def _remove_swap(ds: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     logs.setup(args.verbose)
     dist.adopt_openmpi_env()  # under mpirun, WORLD_SIZE must be known before the DeepSpeed JSON is resolved
     try:
@@ -290,8 +314,20 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         dist.report_error(str(e))  # every rank meets it: printed once, by local rank 0
         return 2
+    t, stopped = run.recipe.train, None
     try:
-        train(run)
+        records = train(run)
+        if t.stop_at and t.stop_at < t.max_steps:  # ended early, as asked: the same line as a signal's
+            step = max((r["step"] for r in records), default=t.stop_at)
+            if t.save_every > 0:
+                dist.print0(preempt.stopped_line(step, "by train.stop_at", _resume_command(run, argv, True)))
+            else:
+                dist.print0(f"stopped at step {step} by train.stop_at (train.save_every=0: nothing saved to resume)")
+    except preempt.Stopped as e:  # saved at e.step on every rank
+        stopped = e
+        if e.ignored:
+            dist.print0(f"{e.ignored} later signal(s) ignored: the save was finished")
+        dist.print0(preempt.stopped_line(e.step, e.reason, _resume_command(run, argv, False)))
     except ReportedElsewhere:
         return 2  # another rank prints the data error, once
     except ConfigError as e:
@@ -305,4 +341,11 @@ def main(argv: list[str] | None = None) -> int:
         # once a rank exits with an error, DeepSpeed's launcher stops the others, the lock holder among them.
         runlock.release_all()
         dist.shutdown()
+        if stopped is not None:  # only now: a signal while the ranks leave together must not kill a saved run
+            stopped.restore_signals()
     return 0
+
+
+def _resume_command(run: Run, argv: list[str], stop_at_ended: bool) -> str:
+    """The command that continues this run, as this rank was started (finetune/preempt.py resume_command)."""
+    return preempt.resume_command(sys.argv[0], argv, run.recipe.train.output_dir, stop_at_ended=stop_at_ended)

@@ -58,14 +58,17 @@ def loopback_env(**extra: str) -> dict[str, str]:
 def save_tiny_model(dest: str, seed: int = 0, config_dir: str = SMALL_VOCAB) -> str:
     """A random-init tiny Mistral saved with save_pretrained: the real from_pretrained path, one init for everyone.
     By default the small-vocabulary one (train it with `model.tokenizer={SMALL_VOCAB}`); config_dir=dirname(TINY_CONFIG)
-    gives the 32,000-token one."""
+    gives the 32,000-token one. Its weights are those a run draws from config_dir with model.init_seed=seed
+    (finetune/init_weights.py), so a saved model and a random-init run start alike."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from finetune.init_weights import initialize
+
     if os.path.exists(os.path.join(dest, "model.safetensors")):
         return dest
-    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=torch.float32)
+    initialize(model, seed)
     model.save_pretrained(dest)
     return dest
 

@@ -12,8 +12,12 @@ from finetune.checkpoint.layout import (ENGINE_TAG, MARKER, STEP_DIR, UNIVERSAL_
 from finetune.checkpoint.space import (WRITE_PROBE, check_output_dir, checkpoints_to_fit, estimate_checkpoint_bytes,
                                        new_checkpoints_at_once, planned_saves)
 from finetune.checkpoint.store import SaveError, load, prepare_reshard, save
+from finetune.checkpoint.portable import data_position, resume_note, resume_route
+from finetune.checkpoint.manifest import MANIFEST, verified_resume, verify, verify_on_ranks
 
 __all__ = ["ENGINE_TAG", "MARKER", "STEP_DIR", "UNIVERSAL_TAG", "WRITE_PROBE", "SaveError", "check_output_dir",
            "checkpoints_dir", "checkpoints_to_fit", "complete_checkpoints", "estimate_checkpoint_bytes", "find_latest",
            "load", "new_checkpoints_at_once", "planned_saves", "prepare_reshard", "resolve_resume", "save",
            "saved_step", "saved_world_size"]
+__all__ += ["MANIFEST", "verified_resume", "verify", "verify_on_ranks"]
+__all__ += ["data_position", "resume_note", "resume_route"]

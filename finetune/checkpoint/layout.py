@@ -1,5 +1,6 @@
 """Where checkpoints live and which are complete: <output_dir>/checkpoints/step_<8 digits>/, complete once its
-marker file exists (a save writes it last, then renames the folder into place; a `.tmp-` folder never counts).
+marker file exists (a save writes it, then manifest.json, then renames the folder into place; a `.tmp-` folder never
+counts). Whether a complete checkpoint's files are still as saved: manifest.py.
 """
 
 from __future__ import annotations

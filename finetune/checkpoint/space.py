@@ -17,12 +17,14 @@ from finetune.metrics import matmul_params
 WRITE_PROBE = ".write-test-"
 
 
-def estimate_checkpoint_bytes(model_config: dict[str, Any], lora_trainable_fraction: float | None) -> int:
-    """Bytes of one checkpoint: 16-bit weights of the whole model + fp32 master, Adam moments of what is trained."""
+def estimate_checkpoint_bytes(model_config: dict[str, Any], lora_trainable_fraction: float | None,
+                              portable: bool = False) -> int:
+    """Bytes of one checkpoint: 16-bit weights of the whole model + fp32 master, Adam moments of what is trained;
+    `portable` (train.portable_checkpoints): the master and moments once more, by parameter name (portable/)."""
     cfg = SimpleNamespace(**model_config)
     total = matmul_params(cfg) + cfg.vocab_size * cfg.hidden_size
     trained = total if lora_trainable_fraction is None else int(total * lora_trainable_fraction)
-    return 2 * total + 12 * trained
+    return 2 * total + (24 if portable else 12) * trained
 
 
 def planned_saves(train: TrainConfig, start_step: int) -> int:

@@ -28,6 +28,8 @@ import torch
 from finetune import dist
 from finetune.checkpoint.layout import (ENGINE_TAG, MARKER, UNIVERSAL_TAG, checkpoints_dir, complete_checkpoints,
                                         find_latest, folder_bytes, fsync_dir, human, write_json_atomic)
+from finetune.checkpoint import manifest
+from finetune.checkpoint import portable
 
 # How torch.save reports a failed write as a RuntimeError: its zip writer loses the errno (mostly ENOSPC) on the
 # way; its legacy writer names the error (`write(): fd 3 failed with No space left on device`).
@@ -74,10 +76,18 @@ def save(engine, output_dir: str, step: int, keep_last: int, meta: dict[str, Any
     # instead, every rank goes through the whole sequence, and the ranks agree on the outcome afterwards.
     with _held_write_errors(engine, writes):
         engine.save_checkpoint(tmp, tag=ENGINE_TAG, client_state={"step": step}, save_latest=False)
+        # The recipe saved with the checkpoint says whether it also gets the layout any world size or stage resumes.
+        if meta.get("recipe", {}).get("train", {}).get("portable_checkpoints", True):
+            portable.save(engine, tmp, writes.run)
     writes.run(torch.save, _rng_state(), os.path.join(tmp, f"rng_rank{dist.rank()}.pt"))
+    _agree(writes, root, tmp, step)
+    # Every rank reads back its share of the files (which proves them readable) for manifest.json, written last: a
+    # resume or export checks the files against it. A failed read ends the save like a failed write.
+    hashed = manifest.gather(writes.run(manifest.hash_share, tmp))
     _agree(writes, root, tmp, step)
     if dist.is_main():
         writes.run(write_json_atomic, os.path.join(tmp, MARKER), {"step": step, "world_size": dist.world_size(), **meta})
+        writes.run(manifest.write, tmp, hashed)
         writes.run(_publish, tmp, final)
         if writes.code == _OK:
             for old_step, old_path in complete_checkpoints(output_dir)[:-keep_last] if keep_last > 0 else []:
@@ -194,12 +204,18 @@ def prepare_reshard(path: str) -> None:
 
 
 def load(engine, path: str) -> int:
-    """Restore engine, optimizer, scheduler and (same world size) this rank's RNG; returns the step to continue from."""
+    """Restore engine, optimizer, scheduler and (same world size) this rank's RNG; returns the step to continue from.
+
+    On the layout it was saved with, from DeepSpeed's own checkpoint; on another number of ranks or ZeRO stage, from
+    its portable/ state (or, for an older ZeRO-1/2 one, the universal copy prepare_reshard made)."""
     with open(os.path.join(path, MARKER)) as f:
         meta = json.load(f)
-    resharded = meta["world_size"] != dist.world_size()
-    engine.load_checkpoint(path, tag=UNIVERSAL_TAG if resharded else ENGINE_TAG, load_optimizer_states=True,
-                           load_lr_scheduler_states=True)
+    route, _ = portable.resume_route(path, {"zero_optimization": {"stage": engine.zero_optimization_stage()}})
+    if route == "portable":
+        portable.load(engine, path)
+    else:
+        engine.load_checkpoint(path, tag=UNIVERSAL_TAG if route == "universal" else ENGINE_TAG,
+                               load_optimizer_states=True, load_lr_scheduler_states=True)
     rng_file = os.path.join(path, f"rng_rank{dist.rank()}.pt")
     if meta["world_size"] == dist.world_size() and os.path.isfile(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=False))

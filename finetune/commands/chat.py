@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from finetune.checkpoint import MARKER, STEP_DIR, find_latest
+from finetune.config import ConfigError
 from finetune.data.template import Message, encode_prompt
 from finetune.data.tokenizer import load_tokenizer
 from finetune.generate import reply
@@ -78,7 +79,10 @@ def _resolve(path: str, workdir: str | None) -> str:
     # Not merged: a LoRA checkpoint becomes base + adapter, computed as in training, rather than merged weights
     # rounded to bf16 (which change greedy answers).
     workdir = workdir or tempfile.mkdtemp(prefix="zerotune-chat-")
-    return export_checkpoint(checkpoint, os.path.join(workdir, "model"), merge=False)
+    try:
+        return export_checkpoint(checkpoint, os.path.join(workdir, "model"), merge=False)
+    except ConfigError as e:  # a checkpoint whose files do not match its manifest, named file by file
+        raise ChatError(str(e)) from None
 
 
 def _tokenizer(*folders: str):

@@ -6,7 +6,8 @@ Each stage is a real `deepspeed` launch of finetune/main.py with ds_configs/zero
 with --offload) on 127.0.0.1, its run folder DIR/<name>. DIR gets summary.md and summary.json, then
 throughput_memory.png and loss_curves.png (skipped with a note without matplotlib, the `plot` extra). A stage whose
 losses differ from the first stage's by more than the tolerance is flagged: every stage trains the same model on the
-same data in the same order, so its losses must agree up to rounding.
+same data in the same order, so its losses must agree up to rounding. A recipe without weights (config.json only) is
+no exception: its random init is drawn the same under every stage (finetune/init_weights.py).
 """
 
 from __future__ import annotations
@@ -64,34 +65,16 @@ def build_runs(stages: list[int], offload: bool, budgets: list[float] | None = N
     return names
 
 
-def shared_init(config: str | None, overrides: list[str], out: str, bf16: bool) -> list[str]:
-    """Overrides that make every stage load one saved random init, when the recipe builds random weights.
-
-    Under ZeRO-3, zero.Init builds the weights partition by partition and draws different random numbers than a plain
-    build, so without this ZeRO-3 would start from other weights and its losses could not be compared.
-    """
+def check_recipe(config: str | None, overrides: list[str]) -> None:
+    """The recipe loads and its model folder has a config.json: checked once, before any stage is launched."""
     # lazy: torch and transformers (finetune.model imports both) are slow to import; `zerotune compare --help` does
     # without them
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from finetune.model import check_model_dir
 
-    from finetune.model import check_model_dir, has_weights
-
-    model = load_recipe(config, overrides).model
-    check_model_dir(model)
-    if has_weights(model.path) and not model.random_init:
-        return []
-    dest = os.path.join(out, "init_model")
-    print(f"compare: {model.path} has no weights: saving one random init (seed {model.init_seed}) to {dest} for every stage",
-          file=sys.stderr, flush=True)
-    torch.manual_seed(model.init_seed)
-    built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model.path), dtype=torch.float32)
-    # bf16 stages round the weights to bf16 anyway; ZeRO-0's fp32 weights (autocast) then start from the same values.
-    built.to(torch.bfloat16 if bf16 else torch.float32).save_pretrained(dest)
-    return [f"model.path={dest}", "model.random_init=false", f"model.tokenizer={model.tokenizer or model.path}"]
+    check_model_dir(load_recipe(config, overrides).model)
 
 
-def run_command(name: str, args: argparse.Namespace, gpus: int, port: int, init: list[str]) -> list[str]:
+def run_command(name: str, args: argparse.Namespace, gpus: int, port: int) -> list[str]:
     """The `deepspeed` command line of one stage: loopback rendezvous, no sample generation, no export."""
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     budget = name[len("budget"):] if name.startswith("budget") else None
@@ -103,7 +86,7 @@ def run_command(name: str, args: argparse.Namespace, gpus: int, port: int, init:
     own = [f"train.max_steps={args.steps}", f"train.output_dir={os.path.join(args.out, name)}",
            "train.sample_prompt=null", "train.export=false", "train.save_every=0"]
     own += [f"train.gpu_memory_gib={budget}"] if budget else []
-    return cmd + list(args.overrides) + init + own + (["train.overwrite=true"] if args.overwrite else [])
+    return cmd + list(args.overrides) + own + (["train.overwrite=true"] if args.overwrite else [])
 
 
 def load_steps(path: str) -> list[dict[str, Any]]:
@@ -146,7 +129,7 @@ def what_ran(run_dir: str) -> dict[str, Any]:
 
 def estimated_gib(run_dir: str, world: int) -> float | None:
     """finetune.memory.estimate's per-GPU total for the run's own resolved recipe.yaml and ds_config.json."""
-    from finetune.model import check_model_dir  # lazy: it imports torch (see shared_init)
+    from finetune.model import check_model_dir  # lazy: it imports torch (see check_recipe)
 
     recipe = load_recipe(os.path.join(run_dir, "recipe.yaml"))
     with open(os.path.join(run_dir, "ds_config.json")) as f:
@@ -257,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     bf16 = any(_is_bf16(os.path.join(args.ds_dir, "zero3.json" if n.startswith("budget") else f"{n}.json")) for n in names)
     try:
-        init = shared_init(args.config, args.overrides, args.out, bf16)
+        check_recipe(args.config, args.overrides)
     except ConfigError as e:
         print(f"zerotune compare: error: {e}", file=sys.stderr)
         return 2
@@ -270,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for name in names:
         run_dir, log = os.path.join(args.out, name), os.path.join(args.out, "logs", f"{name}.log")
-        cmd = run_command(name, args, gpus, dist.free_port(), init)
+        cmd = run_command(name, args, gpus, dist.free_port())
         print(f"compare: {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
         with open(log, "w") as f:
             code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, check=False).returncode
@@ -303,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             "skip_steps": args.skip_steps if args.steps > args.skip_steps else 0, "gpus": gpus, "tolerance": tolerance,
             "ranks": "GPUs" if cuda else "CPU processes",
             "reference": next((r["name"] for r in runs if not r.get("error")), None),
-            "init_model": init[0].partition("=")[2] if init else None, "notes": notes, "plots": {}}
+            "notes": notes, "plots": {}}
     summarize(args.out, runs, meta)
     with open(os.path.join(args.out, "summary.md")) as f:
         print(f.read())

@@ -5,7 +5,8 @@
 
 This is the one place where ranks meet data. The order of rows depends only on the seed and the epoch,
 never on the world size, so a step holds the same samples on 1 rank x accumulation 2 as on 2 ranks x 1,
-and a resumed run continues exactly where it stopped (the data position is the step number).
+and a resumed run continues exactly where it stopped: the data position is the step number while the rows per
+step stay the same; a run resumed with other rows per step starts at the saved run's row (`start`).
 """
 
 from __future__ import annotations
@@ -33,28 +34,51 @@ def epoch_rows(data: TokenizedData, capacity: int, packing: bool, shuffle: bool,
     return rows
 
 
+def step_position(step: int, start: tuple[int, int, int], rows_per_step: int, rows_per_epoch: int) -> tuple[int, int]:
+    """(epoch, first row in it) of optimizer step `step` (0-based) when step start[0] begins at row start[2] of epoch
+    start[1] and each step takes rows_per_step rows: the last step of an epoch takes what is left of it, the next
+    step starts the next epoch."""
+    first_step, epoch, row = start
+    steps_left = math.ceil((rows_per_epoch - row) / rows_per_step)  # in the start's epoch, its last step included
+    k = step - first_step
+    if k < steps_left:
+        return epoch, row + k * rows_per_step
+    epochs, index = divmod(k - steps_left, math.ceil(rows_per_epoch / rows_per_step))
+    return epoch + 1 + epochs, index * rows_per_step
+
+
 class StepLoader:
-    """This rank's micro-batches for any optimizer step; a step's global batch is rows_per_micro x grad_accum x world rows."""
+    """This rank's micro-batches for any optimizer step; a step's global batch is rows_per_micro x grad_accum x world
+    rows. `start` = (step, epoch, row): that step begins at that row of that epoch (a run resumed with other rows per
+    step than the saved run's: continuing_at); (0, 0, 0) otherwise."""
 
     def __init__(self, data: TokenizedData, rows_per_micro: int, grad_accum: int, world: int, rank: int,
-                 capacity: int, packing: bool, seed: int, pad_id: int, shuffle: bool = True):
+                 capacity: int, packing: bool, seed: int, pad_id: int, shuffle: bool = True,
+                 start: tuple[int, int, int] = (0, 0, 0)):
         self.data, self.mbs, self.gas, self.world, self.rank = data, rows_per_micro, grad_accum, world, rank
         self.capacity, self.packing, self.seed, self.pad_id, self.shuffle = capacity, packing, seed, pad_id, shuffle
-        self.rows_per_step = rows_per_micro * grad_accum * world
+        self.rows_per_step, self.start = rows_per_micro * grad_accum * world, start
         # FFD packs the same multiset of lengths in every epoch, so every epoch has the same number of rows.
         self.rows_per_epoch = len(epoch_rows(data, capacity, packing, False, seed, 0))
         self.steps_per_epoch = math.ceil(self.rows_per_epoch / self.rows_per_step)
         self._epoch, self._rows = -1, []
 
     def position(self, step: int) -> tuple[int, int]:
-        """(epoch, step within the epoch) of optimizer step `step` (0-based)."""
-        return divmod(step, self.steps_per_epoch)
+        """(epoch, first row in it) of optimizer step `step` (0-based)."""
+        return step_position(step, self.start, self.rows_per_step, self.rows_per_epoch)
+
+    def continuing_at(self, step: int, saved: dict[str, int]) -> tuple[int, int, int]:
+        """The start at which this loader's step `step` takes the row the saved run's step `step` would have: `saved`
+        is that run's {"step", "epoch", "row", "rows_per_step"} (its own start and rows per step)."""
+        epoch, row = step_position(step, (saved["step"], saved["epoch"], saved["row"]), saved["rows_per_step"],
+                                   self.rows_per_epoch)
+        return step, epoch, row
 
     def step(self, step: int) -> list[dict[str, torch.Tensor]]:
-        epoch, index = self.position(step)
+        epoch, first = self.position(step)
         if epoch != self._epoch:
             self._epoch, self._rows = epoch, epoch_rows(self.data, self.capacity, self.packing, self.shuffle, self.seed, epoch)
-        rows: list[list[int] | None] = list(self._rows[index * self.rows_per_step:(index + 1) * self.rows_per_step])
+        rows: list[list[int] | None] = list(self._rows[first:first + self.rows_per_step])
         # The last step of an epoch is topped up with empty rows (no targets), so no sample is dropped or seen twice
         # and every rank still runs the same number of forwards (ZeRO-3 gathers need all ranks).
         rows += [None] * (self.rows_per_step - len(rows))

@@ -1,5 +1,6 @@
 """Run a launch command and watch it: echo its output, and when one rank is lost, name its rank and host, give the
-others a grace period, then stop this job's processes on every host.
+others a grace period, then stop this job's processes on every host. SIGTERM or SIGUSR1 (Slurm's `--signal`, a
+scheduler's stop) is passed on to the ranks alone, which save and exit 0 (finetune/preempt.py); Ctrl-C stops the job.
 
     code = run_job(plan, grace=20.0)   # plan: finetune.multinode.plan.LaunchPlan
 """
@@ -23,6 +24,10 @@ from typing import IO
 from finetune.multinode.plan import LaunchPlan
 
 STOP_WAIT_S = 10.0
+SAVE_WAIT_S = 600.0
+"""How long the ranks get to finish their step, save and exit after a forwarded SIGTERM/SIGUSR1 before the job is
+stopped (`zerotune launch --stop-timeout`)."""
+FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
 
 # Runs over ssh on each host to stop this job only: the `deepspeed.launcher.launch` processes started with this
 # job's master address and port, and everything under them (DeepSpeed's own stop is `pkill -f` on any launch).
@@ -45,9 +50,40 @@ for p in psutil.wait_procs(procs, timeout=5)[1]:
     p.kill()
 """
 
+# Runs on each host to pass a stopping signal to this job's ranks alone: the processes started with this job's
+# MASTER_ADDR and MASTER_PORT and a rank (RANK from DeepSpeed's launch.py, OMPI_COMM_WORLD_RANK from mpirun) in their
+# environment, but not their own children; launch.py's ranks of this host only (CROSS_RANK, its node rank), should
+# two "hosts" be one machine. Never launch.py or DeepSpeed's runner (nor pdsh, whose command line names launch.py):
+# both die of SIGUSR1, and launch.py answers SIGTERM by killing the ranks, 30 s after the signal at most, whether their
+# save has ended or not.
+_FORWARD_SNIPPET = r"""
+import sys, psutil
+addr, port, signum, node = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+def is_rank(p):
+    try:
+        env = p.environ()
+    except (psutil.Error, AttributeError):
+        return False
+    return env.get("MASTER_ADDR") == addr and env.get("MASTER_PORT") == port and env.get("CROSS_RANK", node) == node and (
+        "RANK" in env or "OMPI_COMM_WORLD_RANK" in env)
+def parent(p):
+    try:
+        return p.parent()
+    except psutil.Error:
+        return None
+ranks = [p for p in psutil.process_iter() if is_rank(p) and not is_rank(parent(p))]
+for p in ranks:
+    try:
+        p.send_signal(signum)
+    except psutil.NoSuchProcess:
+        pass
+print(len(ranks))
+"""
 
-def run_job(plan: LaunchPlan, *, grace: float) -> int:
-    """Run the command and echo its output; when a rank fails, give the others `grace` seconds, then stop them."""
+
+def run_job(plan: LaunchPlan, *, grace: float, save_wait: float = SAVE_WAIT_S) -> int:
+    """Run the command and echo its output; when a rank fails, give the others `grace` seconds, then stop them. A
+    SIGTERM/SIGUSR1 goes on to the ranks, which get `save_wait` seconds to save and exit."""
     watch = JobWatch(plan.ranks())
     proc = subprocess.Popen(
         plan.command, env={**os.environ, **plan.exports(), **plan.command_env}, text=True, errors="replace",
@@ -56,13 +92,24 @@ def run_job(plan: LaunchPlan, *, grace: float) -> int:
     )
     lines: queue.Queue[str | None] = queue.Queue()
     threading.Thread(target=pump_lines, args=(proc.stdout, lines), daemon=True).start()
+    received: list[int] = []  # the handler only notes; the loop below acts within half a second
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if main_thread else None
-    failed_at, stopped = None, False
+    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in FORWARDED} if main_thread else {}
+    failed_at, stopped, forwarded_at = None, False, None
     try:
         while (line := next_line(lines)) is not None:
             sys.stdout.write(line)
             sys.stdout.flush()
+            if received and forwarded_at is None:
+                name = signal.Signals(received[0]).name
+                print(f"zerotune launch: {name}: passed on to every rank, which finishes its step, saves and exits "
+                      f"(stopped after {save_wait:.0f} s otherwise)", flush=True)
+                forward_signal(plan, received[0])
+                forwarded_at = time.monotonic()
+            if forwarded_at is not None and not stopped and time.monotonic() - forwarded_at > save_wait:
+                print("zerotune launch: the ranks did not stop in time; stopping the job on every host", flush=True)
+                stop_job(plan, proc)
+                stopped = True
             if (failure := watch.feed(line)) and failed_at is None:
                 failed_at = time.monotonic()
                 print(f"zerotune launch: {failure}; the other ranks get {grace:.0f} s to stop", flush=True)
@@ -76,12 +123,16 @@ def run_job(plan: LaunchPlan, *, grace: float) -> int:
         stop_job(plan, proc)
         return 130
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     if watch.failures or code != 0:
         print(f"zerotune launch: job failed: {watch.summary() or 'the job ' + _exit_text(code)}", file=sys.stderr)
         return code or 1
-    print("zerotune launch: job finished", flush=True)
+    if received:
+        later = f"; {len(received) - 1} later signal(s) ignored" if len(received) > 1 else ""
+        print(f"zerotune launch: job stopped by {signal.Signals(received[0]).name}, saved{later}", flush=True)
+    else:
+        print("zerotune launch: job finished", flush=True)
     return 0
 
 
@@ -99,8 +150,30 @@ def next_line(lines: queue.Queue) -> str | None:
         return ""
 
 
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+def forward_signal(plan: LaunchPlan, signum: int) -> None:
+    """Send `signum` to this job's ranks on every host, and to nothing else of the job."""
+    transport = plan.transport()
+
+    def run(host: str) -> str:
+        """'' when the signal reached at least one rank on `host`, else why not."""
+        node = str(list(plan.hosts).index(host))  # DeepSpeed's node rank: the host's place in the hostfile
+        script = shlex.join([sys.executable, "-c", _FORWARD_SNIPPET, plan.master_addr, str(plan.master_port),
+                             str(signum), node])
+        argv = transport.argv(host, script)
+        if argv[0] == "srun":  # a step beside the training step, which holds the allocation's CPUs
+            argv.insert(1, "--overlap")
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return str(e)
+        if done.returncode != 0:
+            return done.stderr.strip() or f"exit code {done.returncode}"
+        return "" if done.stdout.strip() not in ("", "0") else "no rank of this job running there"
+
+    with ThreadPoolExecutor(max_workers=min(32, len(plan.hosts))) as pool:
+        for host, problem in zip(plan.hosts, pool.map(run, plan.hosts)):
+            if problem:
+                print(f"zerotune launch: could not signal the ranks on {host} ({problem})", flush=True)
 
 
 def stop_job(plan: LaunchPlan, proc: subprocess.Popen) -> None:

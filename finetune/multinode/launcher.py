@@ -33,7 +33,7 @@ from finetune import shipped
 from finetune.config import ConfigError, load_recipe
 from finetune.dist import free_port
 from finetune.multinode.doctor import doctor_command, run_doctor
-from finetune.multinode.jobwatch import run_job, span
+from finetune.multinode.jobwatch import SAVE_WAIT_S, run_job, span
 from finetune.multinode.plan import LaunchPlan
 from finetune.multinode.preflight import run_preflight
 
@@ -115,7 +115,7 @@ def _start(args: argparse.Namespace, plan: LaunchPlan, env_dir: str | None) -> i
                 return 0
     except (LaunchError, OSError) as e:
         return _fail(str(e), 2)
-    return run_job(plan, grace=args.failure_grace)
+    return run_job(plan, grace=args.failure_grace, save_wait=args.stop_timeout)
 
 
 def _fail(message: str, code: int) -> int:
@@ -146,6 +146,8 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     add("--master-addr", default="", help="default: the first host's address, as ssh resolves it")
     add("--launcher-args", default="", help="extra arguments for pdsh, mpirun or srun, as one quoted string")
     add("--failure-grace", type=float, default=20.0, help="seconds the other ranks get to stop after one fails")
+    add("--stop-timeout", type=float, default=SAVE_WAIT_S, help="seconds the ranks get to save and exit when this "
+        "launcher receives SIGTERM or SIGUSR1 (passed on to them) before the job is stopped")
     add("--script", default=DEFAULT_SCRIPT, help="(advanced) the entry point to launch instead of finetune/main.py")
     return parser.parse_args(argv[:split]), argv[split + 1 :]
 

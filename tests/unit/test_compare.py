@@ -2,6 +2,7 @@
 overrides the command owns are refused, the summary is written first and the plots are skipped without matplotlib. The real stage comparison is tests/integration/test_compare.py."""
 
 import json
+import os
 import sys
 
 import pytest
@@ -89,3 +90,17 @@ def test_with_matplotlib_the_summary_names_the_plots(tmp_path, capsys):
     summary = json.load(open(tmp_path / "summary.json"))
     assert summary["plots"]["loss_curves.png"]["runs"] == [r["run_dir"] for r in runs] and "plots_note" not in summary
     assert (tmp_path / "throughput_memory.png").stat().st_size > 10_000 and (tmp_path / "loss_curves.png").exists()
+
+
+def test_a_random_init_recipe_runs_as_given_and_a_missing_model_is_refused_before_any_launch(tmp_path, capsys):
+    """No init is saved for a config-only model (every stage draws the same one, finetune/init_weights.py): each stage's
+    command line carries the user's model.path; a model folder that does not exist ends compare before a launch."""
+    from finetune.commands.compare import main, parse_args, run_command
+    from tests.helpers import SMALL_VOCAB
+
+    args = parse_args(["--config", TINY_RECIPE, "--out", str(tmp_path / "cmp"), f"model.path={SMALL_VOCAB}"])
+    cmd = run_command("zero3", args, 2, 29500)
+    assert [a for a in cmd if a.startswith("model.")] == [f"model.path={SMALL_VOCAB}"]
+    assert main(["--config", TINY_RECIPE, "--out", str(tmp_path / "cmp"), f"model.path={tmp_path / 'nowhere'}"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert os.listdir(tmp_path / "cmp") == ["logs"] and not os.listdir(tmp_path / "cmp" / "logs")

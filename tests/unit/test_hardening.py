@@ -256,6 +256,10 @@ FAULTS = [
     Fault("rank-behind-in-collective", "a rank that never reaches a collective the others wait in", r"is behind",
           covered_by="tests/integration/test_stall.py::test_checkpoint_resumes_and_a_rank_asleep_in_a_collective_is_named",
           fix="read the named rank's stack file, then train.resume=auto"),
+    Fault("damaged-checkpoint", "a checkpoint file truncated or changed after its save (a copy cut short, a disk error)",
+          r"skipping checkpoint .*: it does not match its manifest.json: .*: truncated \(.* of .* bytes\); checking the one before",
+          covered_by="tests/integration/test_verified_resume.py::test_resume_auto_skips_the_truncated_checkpoint_and_continues_the_one_before",
+          fix="nothing for train.resume=auto (it resumes the checkpoint before); if none verifies, restore the named files or move those checkpoints aside"),
 ]
 
 

@@ -142,8 +142,10 @@ def test_a_stalled_rank_writes_its_stacks_and_the_summary_then_exits_4(tmp_path)
     done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, RANK="0", WORLD_SIZE="1"),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == watchdog.STALL_EXIT, done.stdout + done.stderr
-    assert re.match(r"zerotune: error: stalled: no progress for [12] s \(train.stall_timeout_s: 1\) in step 1 \(the last "
-                    r"finished: none in this run\)", done.stderr), done.stderr
+    # At least the timeout; more on a loaded machine, where the watchdog's thread wakes late (it polls).
+    stalled = re.match(r"zerotune: error: stalled: no progress for (\d+) s \(train.stall_timeout_s: 1\) in step 1 \(the "
+                       r"last finished: none in this run\)", done.stderr)
+    assert stalled and 1 <= int(stalled[1]) < 30, done.stderr
     assert re.search(r"zerotune: stall: waiting: rank 0 \(host \S+\): step 1, phase forward, micro-batch 0, no collective "
                      r"yet\n", done.stderr), done.stderr
     stall = tmp_path / "stall"
