@@ -3,7 +3,9 @@
     path = save(engine, "runs/x", step=12, keep_last=2, meta={}); step = load(engine, find_latest("runs/x"))
 
 layout.py: where checkpoints live and which are complete. store.py: writing one (every rank, atomically) and reading
-it back. space.py: the disk space a run's checkpoints need, checked before the first step.
+it back. portable.py: the world-size-independent copy of the trained weights and Adam moments, for a resume on another
+number of ranks or ZeRO stage. manifest.py: every file's size and checksum, written last and verified before a resume
+or an export. space.py: the disk space a run's checkpoints need, checked before the first step.
 """
 
 from finetune.checkpoint.layout import (ENGINE_TAG, MARKER, STEP_DIR, UNIVERSAL_TAG, checkpoints_dir,

@@ -2,12 +2,15 @@
 
     path = save(engine, "runs/x", step=12, keep_last=2); step = load(engine, find_latest("runs/x"))
 
-Layout: <output_dir>/checkpoints/step_00000012/{engine/..., rng_rank<r>.pt, zerotune.json}. A checkpoint is written
-under `.tmp-step_...` and renamed into place by rank 0 only after every rank finished; `zerotune.json` is written
-last inside it, so a folder without it (or a `.tmp-` one) is never resumed from. Old checkpoints beyond keep_last
-are removed only after the new one is complete. The data position is the step: the loader's order depends only
-on the seed and the step. A save that cannot be written (a full disk) ends on every rank with SaveError, its
-half-written folder removed, the newest complete checkpoint untouched.
+Layout: <output_dir>/checkpoints/step_00000012/{engine/..., portable/..., rng_rank<r>.pt, zerotune.json,
+manifest.json}. A checkpoint is written under `.tmp-step_...` and renamed into place by rank 0 only after every rank
+finished; `zerotune.json`, then `manifest.json` (every file's size and SHA-256, read back: manifest.py) are written
+last inside it, so a folder without them (or a `.tmp-` one) is never resumed from. Old checkpoints beyond keep_last
+are removed only after the new one is complete. The data position is the step while the rows per step stay the same
+(the loader's order depends only on the seed); zerotune.json also records the row, for a resume with other rows per
+step. portable/ (portable.py) lets a checkpoint resume on another world size or ZeRO stage. A save that cannot be
+written (a full disk) ends on every rank with SaveError, its half-written folder removed, the newest complete
+checkpoint untouched.
 """
 
 from __future__ import annotations

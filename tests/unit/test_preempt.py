@@ -7,11 +7,15 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
 from finetune import preempt
+from finetune.dist import free_port
 from finetune.prepare import parse_args
 
 ARGS = ["--deepspeed", "ds_configs/zero3.json", "--config", "recipes/tiny.yaml", "train.max_steps=20"]
@@ -104,3 +108,36 @@ def test_a_stop_at_ending_resumes_without_it_and_a_signal_keeps_it():
     assert "train.stop_at=10" not in by_stop_at
     by_signal = shlex.split(preempt.resume_command("zerotune", args, "runs/t", {}))
     assert "train.stop_at=10" in by_signal and "train.stop_at=0" not in by_signal
+
+
+def test_the_launcher_passes_a_signal_to_this_jobs_ranks_of_the_host_only(tmp_path):
+    """finetune/multinode/jobwatch.py's snippet, run here as on a host: this job's rank of node 0 gets it; not its
+    own worker (same environment), a rank of node 1 (two "hosts" on one machine), nor another job's rank."""
+    from finetune.multinode.jobwatch import _FORWARD_SNIPPET
+
+    code = ("import os, signal, subprocess, sys, time\n"
+            "name, folder = sys.argv[1], sys.argv[2]\n"
+            "signal.signal(signal.SIGUSR1, lambda *a: open(os.path.join(folder, 'got_' + name), 'w').close())\n"
+            "if name == 'rank':\n"
+            "    subprocess.Popen([sys.executable, '-c', sys.argv[3], 'worker', folder, ''])\n"
+            "open(os.path.join(folder, 'ready_' + name), 'w').close()\n"
+            "time.sleep(30)\n")
+    port = free_port()  # no real job of this machine listens there: the snippet signals none of them
+    job = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "CROSS_RANK": "0"}
+    envs = {"rank": job, "node1": dict(job, RANK="1", CROSS_RANK="1"), "other": dict(job, MASTER_PORT=str(port + 1))}
+    procs = [subprocess.Popen([sys.executable, "-c", code, name, str(tmp_path), code], env=dict(os.environ, **env),
+                              start_new_session=True) for name, env in envs.items()]
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("ready_*"))) < 4:
+            assert time.monotonic() < deadline, sorted(os.listdir(tmp_path))
+            time.sleep(0.05)
+        done = subprocess.run([sys.executable, "-c", _FORWARD_SNIPPET, "127.0.0.1", str(port),
+                               str(int(signal.SIGUSR1)), "0"], capture_output=True, text=True, timeout=60)
+        assert done.stdout.strip() == "1", done.stderr
+        time.sleep(0.5)
+        assert sorted(p.name for p in tmp_path.glob("got_*")) == ["got_rank"]
+    finally:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGKILL)  # the rank's worker too
+            p.wait()
