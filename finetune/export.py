@@ -30,7 +30,7 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 from safetensors.torch import save_file
 
 from finetune import dist
-from finetune.checkpoint import ENGINE_TAG, MARKER, STEP_DIR, complete_checkpoints, find_latest, manifest
+from finetune.checkpoint import ENGINE_TAG, MARKER, STEP_DIR, complete_checkpoints, find_latest, manifest, saved_meta
 from finetune.config import ConfigError, load_recipe
 from finetune.data.tokenizer import load_tokenizer
 from finetune.ds_config import bf16_enabled, zero_stage
@@ -156,8 +156,7 @@ def export_checkpoint(checkpoint_path: str, out: str, merge: bool) -> str:
     """Offline export of a saved checkpoint, in this one process, from the engine's own fp32 master weights. Its
     files are checked against its manifest first: a damaged checkpoint is refused, naming its bad files."""
     _verify(checkpoint_path)
-    with open(os.path.join(checkpoint_path, MARKER)) as f:
-        meta = json.load(f)
+    meta = saved_meta(checkpoint_path)
     recipe, ds = meta["recipe"], meta["ds_config"]
     if merge and not recipe["lora"]["enabled"]:
         raise ConfigError(_nothing_to_merge(checkpoint_path))

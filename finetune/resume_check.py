@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.checkpoint import MARKER
+from finetune.checkpoint import MARKER, saved_meta
 from finetune.config import ConfigError
 
 SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -75,8 +75,7 @@ def check(checkpoint_path: str, now: dict[str, Any]) -> list[Difference]:
     """The safe differences between the checkpoint's saved recipe and `now`; ConfigError when one alters the
     parameters. A checkpoint saved without its recipe has nothing to compare: []."""
     try:
-        with open(os.path.join(checkpoint_path, MARKER)) as f:
-            saved = json.load(f)
+        saved = saved_meta(checkpoint_path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"train.resume: cannot read {os.path.join(checkpoint_path, MARKER)} ({e})") from None
     if not isinstance(saved, dict) or "recipe" not in saved:

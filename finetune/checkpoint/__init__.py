@@ -9,7 +9,7 @@ or an export. space.py: the disk space a run's checkpoints need, checked before 
 """
 
 from finetune.checkpoint.layout import (ENGINE_TAG, MARKER, STEP_DIR, UNIVERSAL_TAG, checkpoints_dir,
-                                        complete_checkpoints, find_latest, resolve_resume, saved_step,
+                                        complete_checkpoints, find_latest, resolve_resume, saved_meta, saved_step,
                                         saved_world_size)
 from finetune.checkpoint.space import (WRITE_PROBE, check_output_dir, checkpoints_to_fit, estimate_checkpoint_bytes,
                                        new_checkpoints_at_once, planned_saves)
@@ -20,6 +20,6 @@ from finetune.checkpoint.manifest import MANIFEST, verified_resume, verify, veri
 __all__ = ["ENGINE_TAG", "MARKER", "STEP_DIR", "UNIVERSAL_TAG", "WRITE_PROBE", "SaveError", "check_output_dir",
            "checkpoints_dir", "checkpoints_to_fit", "complete_checkpoints", "estimate_checkpoint_bytes", "find_latest",
            "load", "new_checkpoints_at_once", "planned_saves", "prepare_reshard", "resolve_resume", "save",
-           "saved_step", "saved_world_size"]
+           "saved_meta", "saved_step", "saved_world_size"]
 __all__ += ["MANIFEST", "verified_resume", "verify", "verify_on_ranks"]
 __all__ += ["data_position", "resume_note", "resume_route"]

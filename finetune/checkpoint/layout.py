@@ -59,15 +59,19 @@ def resolve_resume(resume: str | None, output_dir: str) -> str | None:
     return latest
 
 
-def saved_world_size(path: str) -> int:
+def saved_meta(path: str) -> dict[str, Any]:
+    """What a complete checkpoint's zerotune.json says: step, world size, data position, recipe, DeepSpeed config."""
     with open(os.path.join(path, MARKER)) as f:
-        return int(json.load(f)["world_size"])
+        return json.load(f)
+
+
+def saved_world_size(path: str) -> int:
+    return int(saved_meta(path)["world_size"])
 
 
 def saved_step(path: str) -> int:
     """The step a complete checkpoint was saved at."""
-    with open(os.path.join(path, MARKER)) as f:
-        return int(json.load(f)["step"])
+    return int(saved_meta(path)["step"])
 
 
 def folder_bytes(path: str) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from finetune import dist
-from finetune.checkpoint.layout import MARKER, write_json_atomic
+from finetune.checkpoint.layout import saved_meta, write_json_atomic
 from finetune.config import ConfigError
 from finetune.ds_config import zero_stage
 
@@ -107,8 +107,7 @@ def resume_route(path: str, ds: dict[str, Any]) -> tuple[str, str]:
     was saved with (DeepSpeed's own checkpoint: bit-exact, RNG included); ("portable", why) on another number of
     ranks or ZeRO stage; ("universal", why) for a ZeRO-1/2 checkpoint without portable/ on another number of ranks
     (DeepSpeed's universal conversion). ConfigError when it cannot resume here, saying why and what to do."""
-    with open(os.path.join(path, MARKER)) as f:
-        meta = json.load(f)
+    meta = saved_meta(path)
     saved_world, world = int(meta["world_size"]), dist.world_size()
     saved_stage = meta.get("ds_config", {}).get("zero_optimization", {}).get("stage")
     stage = zero_stage(ds)
@@ -143,8 +142,7 @@ def data_position(path: str) -> dict[str, int] | None:
     """Where the run saved in `path` took its rows: {"step", "epoch", "row", "rows_per_step"}, its step `step` began
     at that row of that epoch (finetune/data/loader.py). A checkpoint saved before it was kept: from step 0, with its
     DeepSpeed config's rows per step (None when that is missing too)."""
-    with open(os.path.join(path, MARKER)) as f:
-        meta = json.load(f)
+    meta = saved_meta(path)
     if "data_position" in meta:
         return meta["data_position"]
     rows = meta.get("ds_config", {}).get("train_batch_size")

@@ -16,7 +16,6 @@ checkpoint untouched.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import random
 import re
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 
 from finetune import dist
-from finetune.checkpoint.layout import (ENGINE_TAG, MARKER, UNIVERSAL_TAG, checkpoints_dir, complete_checkpoints,
+from finetune.checkpoint.layout import (ENGINE_TAG, MARKER, UNIVERSAL_TAG, checkpoints_dir, complete_checkpoints, saved_meta,
                                         find_latest, folder_bytes, fsync_dir, human, write_json_atomic)
 from finetune.checkpoint import manifest
 from finetune.checkpoint import portable
@@ -211,8 +210,7 @@ def load(engine, path: str) -> int:
 
     On the layout it was saved with, from DeepSpeed's own checkpoint; on another number of ranks or ZeRO stage, from
     its portable/ state (or, for an older ZeRO-1/2 one, the universal copy prepare_reshard made)."""
-    with open(os.path.join(path, MARKER)) as f:
-        meta = json.load(f)
+    meta = saved_meta(path)
     route, _ = portable.resume_route(path, {"zero_optimization": {"stage": engine.zero_optimization_stage()}})
     if route == "portable":
         portable.load(engine, path)
