@@ -35,12 +35,22 @@ class ModelConfig:
     init_seed: int = 0
     """Seed of the random init (independent of train.seed, so data order and init can be varied separately); the same
     seed gives the same weights on every ZeRO stage and world size."""
-    attn_implementation: str = "sdpa"
-    """`sdpa`, `eager` or `flash_attention_2` (packing stays leak-free with each: masks or varlen from position_ids)."""
-    activation_checkpointing: Literal["auto", "none", "selective", "full"] = "auto"
+    attn_implementation: str = "auto"
+    """`flex`: zerotune's block-sparse attention (finetune/perf/attention.py): PyTorch's FlexAttention with a block
+    mask of the packed samples' boundaries and the model's sliding window, so masked blocks are skipped and no S x S
+    mask exists; `auto` = `flex` on CUDA, `sdpa` elsewhere; or transformers' own `sdpa`, `eager`,
+    `flash_attention_2` (packing stays leak-free with each: masks or varlen from position_ids)."""
+    rope_scaling: dict[str, Any] | None = None
+    """Extends the positions beyond the model's max_position_embeddings, as transformers' config takes it, e.g.
+    {rope_type: yarn, factor: 8.0, original_max_position_embeddings: 32768}; null = the model's own."""
+    activation_checkpointing: Literal["auto", "none", "selective", "full", "offload"] = "auto"
     """`full` recomputes every decoder layer in backward, `selective` `recompute_layers` of them, `none` keeps all
-    activations; `auto`: on a GPU, the least recomputation (and the micro-batch) that fits its memory, from the
-    estimator (finetune/memory/budget.py); without a GPU, `none`."""
+    activations, `offload` recomputes every layer and keeps each layer's input in CPU memory instead of the GPU's;
+    `auto`: on a GPU, the least recomputation (and the micro-batch) that fits its memory, from the estimator
+    (finetune/memory/budget.py); without a GPU, `none`."""
+    tiled_mlp: Literal["auto", "on", "off"] = "auto"
+    """Compute each MLP a tile of tokens at a time, forward and backward, so that its [tokens, intermediate] tensors
+    never exist for a whole long row (finetune/perf/tiled_mlp.py); `auto` = on for rows longer than the tile."""
     recompute_layers: int | None = None
     """Decoder layers recomputed under `selective`, spread evenly over the model; null = every second one, or under
     `auto` the fewest that fit the GPU (each layer kept costs memory, each recomputed one a layer's forward GEMMs)."""
@@ -153,6 +163,10 @@ class TrainConfig:
     sample_max_new_tokens: int = 64
     log_to: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)
     """Extra metric back-ends fed the same records as metrics.jsonl (rank 0): `tensorboard` (<output_dir>/tensorboard), `wandb`."""
+    sequence_parallel: int | Literal["auto"] = "auto"
+    """Split each row's sequence over this many ranks (DeepSpeed Ulysses: all-to-all around attention); the
+    data-parallel size becomes world / sequence_parallel. `auto` = 1, or with a GPU memory budget (train.gpu_memory_gib
+    or the GPU's) the fewest ranks, inside one node first, that fit data.max_seq_len."""
     gpu_memory_gib: float | None = None
     """GPU memory budget per GPU: zerotune picks activation checkpointing and micro-batch (and, with --deepspeed auto,
     the ZeRO stage and offload) that the estimator fits into it, keeping the batch per step; on CUDA it also caps the
@@ -186,6 +200,9 @@ class Recipe:
             (self.train.micro_batch_size > 0, "train.micro_batch_size must be > 0"),
             (self.train.grad_accum > 0, "train.grad_accum must be > 0"),
             (self.data.max_seq_len > 1, "data.max_seq_len must be > 1"),
+            (self.train.sequence_parallel == "auto" or (isinstance(self.train.sequence_parallel, int)
+                                                        and self.train.sequence_parallel >= 1),
+             "train.sequence_parallel must be a whole number >= 1 (ranks that share one row's sequence), or auto"),
             (self.model.recompute_layers is None or self.model.recompute_layers > 0,
              "model.recompute_layers must be > 0 (decoder layers recomputed under selective checkpointing), or null"),
             (self.model.recompute_layers is None or self.model.activation_checkpointing in ("selective", "auto"),
@@ -332,6 +349,11 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
         if value not in args:
             raise ConfigError(f"{source}: {key} = {value!r} is not one of: {', '.join(map(str, args))}")
         return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {key} must be a mapping such as {{rope_type: linear, factor: 2.0}}, "
+                              f"got {type(value).__name__} {value!r}")
+        return dict(value)
     if origin is list:
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]

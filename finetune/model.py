@@ -64,13 +64,13 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, ds_config: dict[st
         raise ConfigError(str(e)) from None
     if model_cfg.random_init or not has_weights(model_cfg.path):
         torch.manual_seed(model_cfg.init_seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=model_cfg.attn_implementation)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=library_attention(model_cfg))
         # transformers' draw depends on the stage (zero.Init draws module by module on rank 0): redrawn from the seed
         # and each parameter's name, the weights are the same on every stage and world size
         init_weights.initialize(model, model_cfg.init_seed)
     else:
         model = AutoModelForCausalLM.from_pretrained(
-            model_cfg.path, config=config, dtype=dtype, attn_implementation=model_cfg.attn_implementation
+            model_cfg.path, config=config, dtype=dtype, attn_implementation=library_attention(model_cfg)
         )
     if model_cfg.activation_checkpointing != "none":
         _enable_checkpointing(model, recomputed)
@@ -85,6 +85,12 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, ds_config: dict[st
                 if p.requires_grad and p.dtype == torch.float32:
                     p.data = p.data.to(dtype)
     return model, keepalive
+
+
+def library_attention(cfg: ModelConfig) -> str:
+    """The attention transformers builds the model with. zerotune's own (`flex`, and `auto`) is installed on the built
+    model by finetune.perf.apply; until then the model runs transformers' sdpa."""
+    return "sdpa" if cfg.attn_implementation in ("auto", "flex") else cfg.attn_implementation
 
 
 def _enable_checkpointing(model, recomputed: list[int]) -> None:

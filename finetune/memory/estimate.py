@@ -312,7 +312,8 @@ def estimate_run(model_config: dict[str, Any], recipe, ds: dict[str, Any], world
     states = estimate_model_states(model_config, lora, stage, world, offload_optimizer, offload_params, weight_bytes,
                                    adapter_bytes)
     acts = estimate_activations(model_config, lora, recipe.data.max_seq_len, recipe.train.micro_batch_size,
-                                recipe.model.activation_checkpointing, act_bytes, recipe.model.attn_implementation,
+                                recipe.model.activation_checkpointing, act_bytes,
+                                "sdpa" if recipe.model.attn_implementation in ("auto", "flex") else recipe.model.attn_implementation,
                                 recipe.data.packing, adapter_dtype_bytes=adapter_bytes,
                                 fused_loss=recipe.model.fused_loss, liger=uses_liger(recipe.model.kernels),
                                 recompute_layers=recipe.model.recompute_layers, fused_mlp=recipe.model.fused_mlp)
