@@ -346,6 +346,8 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
                 raise ConfigError(f"{source}: {key} must be a number or one of: {', '.join(named)}; got {value!r}") from None
         return _coerce(value, inner[0], key, source)
     if origin is Literal:
+        if isinstance(value, bool) and "on" in args and "off" in args:
+            value = "on" if value else "off"  # YAML 1.1 reads a bare on/off as true/false
         if value not in args:
             raise ConfigError(f"{source}: {key} = {value!r} is not one of: {', '.join(map(str, args))}")
         return value

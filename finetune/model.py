@@ -57,7 +57,9 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, ds_config: dict[st
     keepalive = HfDeepSpeedConfig(ds_config) if zero_stage(ds_config) == 3 else None
     config = AutoConfig.from_pretrained(model_cfg.path)
     config.use_cache = False
+    apply_rope_scaling(config, model_cfg.rope_scaling)
     try:  # checked before loading: a wrong layer count must not cost a 7B load
+        # offload recomputes every layer, as full does (it differs in where each layer's input waits)
         recomputed = recomputed_layers(model_cfg.activation_checkpointing, config.num_hidden_layers,
                                        model_cfg.recompute_layers)
     except ValueError as e:
@@ -73,7 +75,7 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, ds_config: dict[st
             model_cfg.path, config=config, dtype=dtype, attn_implementation=library_attention(model_cfg)
         )
     if model_cfg.activation_checkpointing != "none":
-        _enable_checkpointing(model, recomputed)
+        _enable_checkpointing(model, recomputed, offload=model_cfg.activation_checkpointing == "offload")
     if lora_cfg.enabled:
         model = _apply_lora(model, lora_cfg, model_cfg.init_seed)
         if dtype != torch.float32:
@@ -93,8 +95,9 @@ def library_attention(cfg: ModelConfig) -> str:
     return "sdpa" if cfg.attn_implementation in ("auto", "flex") else cfg.attn_implementation
 
 
-def _enable_checkpointing(model, recomputed: list[int]) -> None:
-    """Recompute the decoder layers at these indices in backward; the others keep their activations.
+def _enable_checkpointing(model, recomputed: list[int], offload: bool = False) -> None:
+    """Recompute the decoder layers at these indices in backward; the others keep their activations. offload: each
+    recomputed layer's input waits for backward in CPU memory (finetune/checkpoint_offload.py).
 
     Non-reentrant checkpointing works with frozen LoRA bases and ZeRO-3's parameter hooks. transformers >= 5.20
     names it activation_checkpointing_enable; older 5.x only has gradient_checkpointing_enable. Both set the flag on
@@ -108,6 +111,44 @@ def _enable_checkpointing(model, recomputed: list[int]) -> None:
     chosen = set(recomputed)
     for i, layer in enumerate(model.model.layers):
         layer.gradient_checkpointing = i in chosen
+        if offload:
+            from finetune.checkpoint_offload import offloading_checkpoint
+
+            layer._gradient_checkpointing_func = offloading_checkpoint
+
+
+def apply_rope_scaling(config, rope_scaling: dict[str, Any] | None) -> None:
+    """Set model.rope_scaling on a loaded config as transformers 5.x takes it: config.rope_parameters holds rope_type,
+    its fields and the model's rope_theta (kept unless the recipe names one). The pretraining length becomes
+    original_max_position_embeddings where the type reads it, and max_position_embeddings grows by the factor for the
+    types that interpolate (dynamic scales against max_position_embeddings itself, so it is left)."""
+    if not rope_scaling:
+        return
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = dict(rope_scaling)
+    rope_type = params.pop("type", None) or params.get("rope_type")
+    valid = ", ".join(sorted(ROPE_INIT_FUNCTIONS))
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ConfigError(f"model.rope_scaling.rope_type = {rope_type!r} is not one of: {valid} "
+                          f"(e.g. model.rope_scaling={{rope_type: yarn, factor: 4.0}})")
+    params["rope_type"] = rope_type
+    current = dict(getattr(config, "rope_parameters", None) or {})
+    params.setdefault("rope_theta", current.get("rope_theta", getattr(config, "rope_theta", None)))
+    original = config.max_position_embeddings
+    if rope_type in ("yarn", "longrope", "llama3"):
+        params.setdefault("original_max_position_embeddings", original)
+    config.rope_parameters = params
+    try:
+        config.validate_rope()
+    except (KeyError, ValueError) as e:
+        message = e.args[0] if e.args else str(e)
+        raise ConfigError(f"model.rope_scaling for rope_type {rope_type!r}: {message} (set them in "
+                          f"model.rope_scaling; the types are {valid})") from None
+    factor = params.get("factor")
+    if rope_type != "dynamic" and isinstance(factor, (int, float)) and factor > 1:
+        config.max_position_embeddings = max(original, int(params.get("original_max_position_embeddings", original)
+                                                           * factor))
 
 
 def _apply_lora(model, cfg: LoraConfig, seed: int):

@@ -9,12 +9,13 @@ what to fix, raised on every rank before any of them starts work.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import textwrap
 from dataclasses import dataclass
 from typing import Any
 
-from finetune import checkpoint, dist, resume_check, runlock
+from finetune import checkpoint, dist, parallel, resume_check, runlock
 from finetune.config import ConfigError, Recipe, load_recipe, recipe_to_dict, sections
 from finetune.data.registry import get_format, load_plugins
 from finetune.data.sources import READABLE
@@ -48,7 +49,8 @@ class Run:
         return {"recipe": recipe_to_dict(self.recipe), "ds_config": self.ds,
                 "model_config": resume_check.shape(self.model_config),
                 "data_position": {"step": step, "epoch": epoch, "row": row,
-                                  "rows_per_step": t.micro_batch_size * t.grad_accum * dist.world_size()}}
+                                  "rows_per_step": t.micro_batch_size * t.grad_accum
+                                  * parallel.data_parallel_size(self.recipe, dist.world_size())}}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -86,6 +88,12 @@ def prepare(config: str | None, deepspeed_json: str, overrides: list[str]) -> Ru
     _check_tokenizer_and_data(recipe)
     recipe_path = config or "recipes/mistral7b_lora.yaml"
     recipe, deepspeed_json, plan = budget.fit(recipe, model_config, deepspeed_json, dist.world_size(), recipe_path)
+    # train.sequence_parallel as the run uses it (`auto`: the memory plan's choice, or 1), checked against the world
+    # size and the model's heads. DeepSpeed's batch stays micro x accumulation x world: it sees every rank as
+    # data-parallel, each with its slice of the rows (finetune/parallel/groups.py).
+    degree = parallel.resolve_degree(recipe, dist.world_size(), planned=getattr(plan, "sequence_parallel", None),
+                                     model_config=model_config)
+    recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, sequence_parallel=degree))
     ds = resolve_ds_config(deepspeed_json, recipe, dist.world_size(), model_config["hidden_size"],
                            recipe_path=recipe_path, vocab_size=model_config["vocab_size"])
     budget.check_offload_fits_host(recipe, model_config, ds, dist.world_size())

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from finetune import checkpoint, dist, preempt
+from finetune import checkpoint, dist, parallel, preempt
 from finetune.config import Recipe
 from finetune.data.loader import StepLoader, eval_micro_batches
 from finetune.data.samples import TokenizedData
@@ -25,6 +25,7 @@ from finetune.ds_config import zero_stage
 from finetune.loss import micro_batch_loss_sum, token_loss_sum
 from finetune.metrics import peak_memory_gib, peak_reserved_gib, peak_tflops, training_flops
 from finetune.optim import clip_grad_norm_exact
+from finetune.parallel.ulysses import sharded
 from finetune.perf.profiling import phase, step_profiler
 from finetune.prepare import Run
 from finetune.progress import PROGRESS
@@ -51,6 +52,9 @@ class Loop:
     """ZeRO-0: the gradients are all-reduced in the boundary backward, before step(), and clipped here."""
     synced: bool = field(init=False)
     """ZeRO-3 on several ranks: every rank joins each generated token's parameter gathers."""
+    sp_degree: int = field(init=False)
+    """train.sequence_parallel: the ranks that share each row, each with a slice of it."""
+    sp_rank: int = field(init=False)
     end_step: int = field(init=False)
     peak_tflops: float | None = field(init=False)
 
@@ -58,6 +62,8 @@ class Loop:
         t, stage = self.run.recipe.train, zero_stage(self.run.ds)
         self.world, self.rank, self.device = dist.world_size(), dist.rank(), dist.device()
         self.own_clipping, self.synced = stage == 0, stage == 3 and self.world > 1
+        self.sp_degree = parallel.degree_of(self.run.recipe)
+        self.sp_rank = parallel.layout(self.rank, self.sp_degree)[1]
         self.end_step = min(t.max_steps, t.stop_at) if t.stop_at else t.max_steps
         self.peak_tflops = peak_tflops()
 
@@ -96,7 +102,8 @@ def train_step(loop: Loop, step: int, upcoming: tuple | None) -> tuple[StepResul
         micro_batches, n_targets = upcoming
     grad_norm = None
     losses = []  # each micro-batch's summed token loss, left on the device: reading one would stall it
-    with step_profiler(step + 1 == r.train.profile_step, r.train.output_dir, step + 1, dist.is_main()):
+    with step_profiler(step + 1 == r.train.profile_step, r.train.output_dir, step + 1, dist.is_main()), \
+            sharded(engine.module, loop.sp_degree > 1):
         for i, mb in enumerate(micro_batches):
             with phase("forward"):
                 PROGRESS.mark("forward", i)
@@ -105,8 +112,10 @@ def train_step(loop: Loop, step: int, upcoming: tuple | None) -> tuple[StepResul
                 watch = NonfiniteWatch(losses) if i == len(micro_batches) - 1 else None
             with phase("backward"):
                 PROGRESS.mark("backward", i)
-                # DeepSpeed divides by grad_accum and averages over ranks; undo both so the step's gradient is
-                # sum(token losses of the whole global batch) / (its number of target tokens).
+                # DeepSpeed divides by grad_accum and averages over ranks (every rank, sequence-parallel ones too:
+                # finetune/parallel/groups.py); undo both so the step's gradient is sum(token losses of the whole
+                # global batch) / (its number of target tokens). Under sequence parallelism each target token is in
+                # one rank's slice, so the ranks' sums add up to the rows' and n_targets counts each once.
                 engine.backward(token_sum * (loop.world * r.train.grad_accum / max(n_targets, 1.0)))
             with phase("nonfinite check"):
                 # Asked once the backward is queued (the device keeps working), and before the optimizer step,
@@ -124,7 +133,8 @@ def train_step(loop: Loop, step: int, upcoming: tuple | None) -> tuple[StepResul
     # in the same collective: a signal reaches the ranks at different moments, the sum reaches them all alike.
     PROGRESS.mark("data")
     following = loop.loader.step(step + 1) if step + 1 < loop.end_step else None
-    lengths = [int(n) for mb in micro_batches for n in mb["sample_lengths"]]
+    # A row's tokens and FLOPs once, by the first rank of its sequence-parallel group (every rank of it holds the row).
+    lengths = [int(n) for mb in micro_batches for n in mb["sample_lengths"]] if loop.sp_rank == 0 else []
     local = torch.tensor([sum(lengths), training_flops(engine.module.config, lengths), _target_count(following or []),
                           *preempt.votes()], dtype=torch.float64, device=losses[0].device)
     loss_sum = torch.stack(losses).double().sum().reshape(1)
@@ -212,13 +222,17 @@ def _stop_on_nonfinite(engine, run: Run, step: int, micro_batches: list, losses:
 
 
 def evaluate(engine, data, recipe: Recipe, world: int, rank: int, pad_id: int, device) -> float:
-    """Token-weighted mean loss over the whole eval set, summed over ranks."""
+    """Token-weighted mean loss over the whole eval set, summed over ranks (under sequence parallelism each rank
+    scores its slice of its group's rows)."""
     engine.eval()
     total = torch.zeros((), dtype=torch.float64)
     count = 0
-    with torch.no_grad():
-        for i, mb in enumerate(eval_micro_batches(data, recipe.train.micro_batch_size, world, rank,
-                                                  recipe.data.max_seq_len, recipe.data.packing, pad_id)):
+    degree = parallel.degree_of(recipe)
+    dp_rank, sp_rank = parallel.layout(rank, degree)
+    with torch.no_grad(), sharded(engine.module, degree > 1):
+        for i, mb in enumerate(eval_micro_batches(data, recipe.train.micro_batch_size, world // degree, dp_rank,
+                                                  recipe.data.max_seq_len, recipe.data.packing, pad_id,
+                                                  (degree, sp_rank))):
             PROGRESS.mark("eval", i)  # each micro-batch is progress: an eval may take many steps' time
             logits = engine(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device)).logits
             s, n = token_loss_sum(logits, mb["targets"].to(device))  # eval keeps the plain path: no backward

@@ -21,7 +21,7 @@ import deepspeed
 import torch
 import yaml
 
-from finetune import checkpoint, dist, logs, perf, preempt, runlock, watchdog
+from finetune import checkpoint, dist, logs, parallel, perf, preempt, runlock, watchdog
 from finetune import resume_check
 from finetune.config import ConfigError, recipe_to_dict
 from finetune.data import ReportedElsewhere, build_datasets
@@ -35,6 +35,7 @@ from finetune.memory.budget import enforce
 from finetune.metrics import METRICS_FILE, MetricsLog, truncate_metrics
 from finetune.model import build_model, trainable_parameters
 from finetune.optim import build_optimizer
+from finetune.parallel import groups as sp_groups, ulysses
 from finetune.prepare import Run, parse_args, prepare
 from finetune.progress import PROGRESS
 from finetune.step import Loop, TrainingError, evaluate, step_record, train_step
@@ -49,8 +50,11 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
 
     `on_end(engine)`, if given, runs on every rank after the last step, while the engine still holds the model.
     """
-    # 1. Initial setup: the process group, this rank's seed; nothing is written to the run folder yet
+    # 1. Initial setup: the process group (and, with train.sequence_parallel > 1, the groups of ranks that share
+    #    rows), this rank's seed; nothing is written to the run folder yet
     cache_before = _setup(run)
+    degree = parallel.degree_of(run.recipe)
+    groups = sp_groups.build(degree) if degree > 1 else None
     # 2. Data: read, checked and tokenized once into the cache the ranks share; the loader makes any step's
     #    micro-batches. A data error ends every rank here, with the run folder as it was found.
     tokenizer, loader, eval_data = _load_data(run, cache_before)
@@ -59,6 +63,8 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
     # 4. Model, and its speed-ups before the optimizer sees its parameters
     model, keepalive = build_model(run.recipe.model, run.recipe.lora, run.ds)
     applied = perf.apply(model, run.recipe, run.ds)
+    if groups is not None:  # after the speed-ups: the all-to-all wraps whatever attention they left
+        ulysses.install(model, groups)
     _report_model(run, model)
     # 5. Optimizer, schedule and DeepSpeed engine, and the engine's speed-ups
     engine, optimizer, scheduler = _build_engine(run, model)
@@ -146,8 +152,12 @@ def _load_data(run: Run, cache_before: set[str] | None) -> tuple[Any, StepLoader
             raise error
         raise ReportedElsewhere("the data error is reported by another rank")
     dist.print0(f"data: {report.summary()}")
-    loader = StepLoader(train_data, t.micro_batch_size, t.grad_accum, dist.world_size(), dist.rank(),
-                        r.data.max_seq_len, r.data.packing, t.seed, tokenizer.pad_id, shuffle=r.data.shuffle)
+    # The ranks of a sequence-parallel group take the same rows, each its slice of them.
+    degree = parallel.degree_of(r)
+    dp_rank, sp_rank = parallel.layout(dist.rank(), degree)
+    loader = StepLoader(train_data, t.micro_batch_size, t.grad_accum, dist.world_size() // degree, dp_rank,
+                        r.data.max_seq_len, r.data.packing, t.seed, tokenizer.pad_id, shuffle=r.data.shuffle,
+                        sequence_parallel=(degree, sp_rank))
     saved = checkpoint.data_position(run.resume_from) if run.resume_from else None
     if saved is not None:  # the saved run's next row, whatever its rows per step were
         run.data_start = loader.start = loader.continuing_at(checkpoint.saved_step(run.resume_from), saved)
@@ -168,13 +178,17 @@ def _remove_new_cache_entries(cache_dir: str, before: set[str] | None) -> None:
 
 def _report_model(run: Run, model) -> None:
     trainable, total = trainable_parameters(model)
+    degree = parallel.degree_of(run.recipe)
+    ranks = (f"{dist.world_size()} rank(s)" if degree == 1 else
+             f"{dist.world_size()} ranks: {dist.world_size() // degree} data-parallel x {degree} sequence-parallel")
     dist.print0(f"model: {total:,} parameters, {trainable:,} trainable ({100 * trainable / total:.2f}%), "
-                f"ZeRO-{zero_stage(run.ds)}, {dist.world_size()} rank(s)")
+                f"ZeRO-{zero_stage(run.ds)}, {ranks}")
 
 
 def _build_engine(run: Run, model) -> tuple[Any, Any, Any]:
     """The DeepSpeed engine, the optimizer and its lr schedule; an older ZeRO-1/2 checkpoint (without portable/) saved
-    on another number of ranks is converted to a universal one first."""
+    on another number of ranks is converted to a universal one first. Under sequence parallelism too the engine sees
+    every rank as data-parallel (finetune/parallel/groups.py says why)."""
     optimizer, scheduler = build_optimizer(model, run.recipe.optim, run.recipe.train.max_steps, run.ds)
     engine_cfg = engine_config(run.ds)
     route, why = checkpoint.resume_route(run.resume_from, run.ds) if run.resume_from else ("engine", "")

@@ -17,6 +17,7 @@ import torch
 
 from finetune.data.packing import balance, pack_ffd
 from finetune.data.samples import TokenizedData
+from finetune.parallel.split import split_rows
 
 IGNORE = -100
 
@@ -50,13 +51,18 @@ def step_position(step: int, start: tuple[int, int, int], rows_per_step: int, ro
 class StepLoader:
     """This rank's micro-batches for any optimizer step; a step's global batch is rows_per_micro x grad_accum x world
     rows. `start` = (step, epoch, row): that step begins at that row of that epoch (a run resumed with other rows per
-    step than the saved run's: continuing_at); (0, 0, 0) otherwise."""
+    step than the saved run's: continuing_at); (0, 0, 0) otherwise.
+
+    Under sequence parallelism world and rank are the data-parallel ones (world / N, rank // N: the N ranks of a
+    group take the same rows) and `sequence_parallel` = (N, this rank's place in its group): each micro-batch is this
+    rank's slice of those rows (finetune/parallel/split.py)."""
 
     def __init__(self, data: TokenizedData, rows_per_micro: int, grad_accum: int, world: int, rank: int,
                  capacity: int, packing: bool, seed: int, pad_id: int, shuffle: bool = True,
-                 start: tuple[int, int, int] = (0, 0, 0)):
+                 start: tuple[int, int, int] = (0, 0, 0), sequence_parallel: tuple[int, int] = (1, 0)):
         self.data, self.mbs, self.gas, self.world, self.rank = data, rows_per_micro, grad_accum, world, rank
         self.capacity, self.packing, self.seed, self.pad_id, self.shuffle = capacity, packing, seed, pad_id, shuffle
+        self.sequence_parallel = sequence_parallel
         self.rows_per_step, self.start = rows_per_micro * grad_accum * world, start
         # FFD packs the same multiset of lengths in every epoch, so every epoch has the same number of rows.
         self.rows_per_epoch = len(epoch_rows(data, capacity, packing, False, seed, 0))
@@ -85,20 +91,24 @@ class StepLoader:
         tokens = [self._row_tokens(r) for r in rows]
         mine = [rows[i] for i in balance(tokens, self.world, self.mbs * self.gas)[self.rank]]
         mine.sort(key=self._row_tokens, reverse=True)
-        return [collate(mine[k * self.mbs:(k + 1) * self.mbs], self.data, self.pad_id) for k in range(self.gas)]
+        return [split_rows(collate(mine[k * self.mbs:(k + 1) * self.mbs], self.data, self.pad_id),
+                           *self.sequence_parallel, self.pad_id) for k in range(self.gas)]
 
     def _row_tokens(self, row: list[int] | None) -> int:
         return 0 if row is None else int(sum(self.data.lengths[i] for i in row))
 
 
 def eval_micro_batches(data: TokenizedData, rows_per_micro: int, world: int, rank: int, capacity: int,
-                       packing: bool, pad_id: int) -> list[dict[str, torch.Tensor]]:
-    """This rank's share of the eval rows; every rank gets the same number of micro-batches."""
+                       packing: bool, pad_id: int, sequence_parallel: tuple[int, int] = (1, 0)
+                       ) -> list[dict[str, torch.Tensor]]:
+    """This rank's share of the eval rows; every rank gets the same number of micro-batches. world, rank and
+    sequence_parallel as StepLoader takes them."""
     rows: list[list[int] | None] = list(epoch_rows(data, capacity, packing, False, 0, 0))
     per_rank = math.ceil(len(rows) / world / rows_per_micro) * rows_per_micro
     rows += [None] * (per_rank * world - len(rows))
     mine = rows[rank::world]
-    return [collate(mine[k:k + rows_per_micro], data, pad_id) for k in range(0, len(mine), rows_per_micro)]
+    return [split_rows(collate(mine[k:k + rows_per_micro], data, pad_id), *sequence_parallel, pad_id)
+            for k in range(0, len(mine), rows_per_micro)]
 
 
 def collate(rows: list[list[int] | None], data: TokenizedData, pad_id: int) -> dict[str, torch.Tensor]:

@@ -17,6 +17,14 @@ The rules, fastest first:
 4. ZeRO-3 and offloading pay per micro-batch (weight gathers; the CPU optimizer step is fixed per step while the GPU
    work shrinks): the largest micro-batch first, then the least recomputation; full recomputation at a larger
    micro-batch runs faster there than selective at a smaller one (docs/benchmarks/2026-11-30-h200-budget.md).
+Long rows (finetune/memory/long_rows.py):
+5. train.sequence_parallel auto: degree 1 with every configuration first; then the smallest degree that fits, inside
+   one node first, dividing the world and the heads. The batch per step stays micro_batch_size x grad_accum rows
+   per data-parallel rank (world / degree of them).
+6. model.tiled_mlp auto, rows longer than a tile: the tiled MLP joins the recomputation options, ordered by the
+   forward work each repeats (the tiled MLP repeats every layer's MLP forward, a recomputed layer the whole layer).
+7. checkpointing `offload` (layer inputs in pinned CPU memory) only when nothing on the GPU fits at any degree, and
+   only where the node's memory holds them.
 """
 
 from __future__ import annotations
@@ -29,8 +37,10 @@ from typing import Any
 from finetune import dist
 from finetune.config import ConfigError, Recipe
 from finetune.ds_config import load_ds_json, offloads_optimizer, resolve_ds_config, zero_stage
-from finetune.memory.estimate import (FIT_FRACTION, GIB, SHIPPED, SPEED_ORDER, display_path, estimate_run, recomputed_layers,
-                               shipped_dir)
+from finetune.memory.estimate import (FIT_FRACTION, GIB, SHIPPED, SPEED_ORDER, display_path, estimate_run,
+                                      recomputed_layers, shipped_dir, tiled_mlp_on)
+from finetune.memory.long_rows import (least_recomputation, offload_options, sequence_parallel_degrees,
+                                       tiling_options)
 
 
 @dataclass
@@ -47,6 +57,16 @@ class MemoryPlan:
     recompute_layers: int | None = None
     """Under selective checkpointing: how many decoder layers are recomputed (of `layers`)."""
     layers: int = 0
+    sequence_parallel: int = 1
+    """Ranks that share each row's sequence (train.sequence_parallel as chosen); data-parallel size = world / it."""
+    tiled_mlp: str = "off"
+    """model.tiled_mlp as chosen: `on` or `off`."""
+    seq_len: int = 0
+    cpu_activations_gib_per_node: float = 0.0
+    """Under `offload` checkpointing: the layers' inputs in pinned CPU memory, per node (part of cpu_gib_per_node)."""
+    reasons: list[str] = field(default_factory=list)
+    """Why sequence parallelism, the tiled MLP or checkpoint offload were chosen, each with the estimate that ruled
+    out the cheaper option."""
 
     def checkpointing_text(self) -> str:
         return describe_checkpointing(self.activation_checkpointing, self.recompute_layers, self.layers)
@@ -56,6 +76,12 @@ class MemoryPlan:
                  f"activation checkpointing {self.checkpointing_text()}, micro-batch {self.micro_batch_size} x "
                  f"grad_accum {self.grad_accum}; estimated peak {self.estimated_gib:.2f} GiB per GPU"
                  + (f", {self.cpu_gib_per_node:.0f} GiB CPU memory per node" if self.cpu_gib_per_node else "")]
+        if self.sequence_parallel > 1 or self.tiled_mlp == "on" or self.activation_checkpointing == "offload":
+            lines.append(f"  {self.seq_len:,}-token rows: sequence parallel {self.sequence_parallel}, tiled MLP "
+                         f"{self.tiled_mlp}, layer inputs in CPU memory: "
+                         + (f"yes ({self.cpu_activations_gib_per_node:.1f} GiB per node)"
+                            if self.activation_checkpointing == "offload" else "no"))
+        lines += [f"  {why}" for why in self.reasons]
         lines += [f"  passed over: {why}" for why in self.passed_over]
         return "\n".join(lines)
 
@@ -64,10 +90,14 @@ def fit(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, world: int
         recipe_path: str) -> tuple[Recipe, str, MemoryPlan | None]:
     """With train.gpu_memory_gib, --deepspeed auto or model.activation_checkpointing=auto on a GPU (whose memory is
     then the budget): the recipe and DeepSpeed file the memory plan chose, and the plan (printed on rank 0); otherwise
-    the inputs unchanged (auto checkpointing without a GPU: none) and None."""
+    the inputs unchanged (auto checkpointing without a GPU: none) and None. The chosen recipe names what it chose:
+    checkpointing, micro-batch, model.tiled_mlp on/off and train.sequence_parallel as a number."""
     gib = recipe.train.gpu_memory_gib
     auto_checkpointing = recipe.model.activation_checkpointing == "auto"
-    if gib is None and (deepspeed == "auto" or auto_checkpointing):
+    # sequence_parallel auto with long rows on a GPU: its degree is planned, the recipe's other settings kept
+    only_sequence = (gib is None and deepspeed != "auto" and not auto_checkpointing and world > 1
+                     and recipe.train.sequence_parallel == "auto" and tiled_mlp_on("auto", recipe.data.max_seq_len))
+    if gib is None and (deepspeed == "auto" or auto_checkpointing or only_sequence):
         gib = local_gpu_gib()
         if gib is None and deepspeed == "auto":
             raise ConfigError("--deepspeed auto picks the ZeRO configuration that fits a GPU memory budget, and there "
@@ -79,20 +109,28 @@ def fit(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, world: int
         return recipe, deepspeed, None
     try:
         plan = plan_memory(recipe, model_config, deepspeed, world, gib, cpu_memory(recipe), ranks_per_node(world),
-                           recipe_path)
-    except ConfigError:
-        raise
+                           recipe_path, keep_settings=only_sequence)
+    except ConfigError as e:
+        if not only_sequence:
+            raise
+        # not asked to fit a budget: the run goes as written
+        dist.print0(f"warning: train.sequence_parallel=auto: with the recipe's checkpointing and micro-batch no degree "
+                    f"fits this GPU's {gib:g} GiB, so it runs with 1 ({e})")
+        return recipe, deepspeed, None
     except ValueError as e:  # the estimator does not know the model or LoRA targets
+        if only_sequence:
+            return recipe, deepspeed, None
         raise ConfigError(f"train.gpu_memory_gib: {e}") from None
     dist.print0(plan.summary())
     chosen = with_memory_choice(recipe, plan.activation_checkpointing, plan.micro_batch_size, plan.grad_accum,
-                                plan.recompute_layers)
+                                plan.recompute_layers, plan.tiled_mlp == "on", plan.sequence_parallel)
     return chosen, plan.deepspeed, plan
 
 
 def check_offload_fits_host(recipe: Recipe, model_config: dict[str, Any], ds: dict[str, Any], world: int) -> None:
-    """Refuse an offloading run whose states cannot fit the node's RAM; warn (rank 0) when they exceed what is free."""
-    if not offloads_optimizer(ds):
+    """Refuse an offloading run (optimizer, or the layers' inputs under `offload` checkpointing) whose CPU memory
+    cannot fit the node's RAM; warn (rank 0) when it exceeds what is free."""
+    if not offloads_optimizer(ds) and recipe.model.activation_checkpointing != "offload":
         return
     try:
         row = estimate_run(model_config, recipe, ds, world)
@@ -117,68 +155,151 @@ def candidate_configs(deepspeed: str) -> list[str]:
 
 
 def plan_memory(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, world: int, budget_gib: float,
-                cpu_bytes_per_node: float | None, ranks_per_node: int, recipe_path: str = "the recipe") -> MemoryPlan:
-    """The fastest (configuration, checkpointing, micro-batch) whose estimated peak fits FIT_FRACTION of the budget and
-    whose offloaded states fit the node's memory; a ConfigError naming the smallest option when nothing fits."""
+                cpu_bytes_per_node: float | None, ranks_per_node: int, recipe_path: str = "the recipe",
+                cuda: bool | None = None, keep_settings: bool = False) -> MemoryPlan:
+    """The fastest (sequence-parallel degree, configuration, checkpointing, tiling, micro-batch) whose estimated peak
+    fits FIT_FRACTION of the budget and whose offloaded states and layer inputs fit the node's memory; a ConfigError
+    naming the smallest option when nothing fits. Checkpoint offload comes last, after every degree on the GPU.
+
+    cuda: whether the run is on CUDA (resolves attention `auto`; None = this machine). keep_settings: choose only the
+    sequence-parallel degree, with the recipe's checkpointing, micro-batch and tiling."""
     rows_per_step = recipe.train.micro_batch_size * recipe.train.grad_accum
     micro_batches = [m for m in range(rows_per_step, 0, -1) if rows_per_step % m == 0]
-    layers = model_config["num_hidden_layers"]
+    layers, seq_len = model_config["num_hidden_layers"], recipe.data.max_seq_len
     limit = FIT_FRACTION * budget_gib * GIB
-    passed_over, smallest = [], None
-    for path in candidate_configs(deepspeed):
-        name = display_path(path)
-        for checkpointing, mbs, recompute in preference(path, micro_batches, layers, recipe.model.recompute_layers):
-            trial = with_memory_choice(recipe, checkpointing, mbs, rows_per_step // mbs, recompute)
-            ds = resolve_ds_config(path, trial, world, model_config["hidden_size"], recipe_path,
-                                   vocab_size=model_config["vocab_size"])
-            row = estimate_run(model_config, trial, ds, world)
-            cpu_node = row["cpu"] * ranks_per_node
-            if cpu_bytes_per_node is not None and cpu_node > cpu_bytes_per_node:
-                # Offloaded states do not depend on checkpointing or micro-batch: no option of this file fits.
-                passed_over.append(f"{name}: offloads {cpu_node / GIB:.0f} GiB per node, the node has "
-                                   f"{cpu_bytes_per_node / GIB:.0f} GiB")
-                break
-            if smallest is None or row["total"] < smallest[0]:
-                smallest = (row["total"], name, describe_checkpointing(checkpointing, recompute, layers), mbs)
-            if row["total"] <= limit:
-                return MemoryPlan(name, checkpointing, mbs, rows_per_step // mbs, row["total"] / GIB, budget_gib,
-                                  cpu_node / GIB, passed_over, recompute, layers)
-        else:
-            passed_over.append(f"{name}: {row['total'] / GIB:.2f} GiB at its smallest (checkpointing full, micro-batch 1)")
+    tilings = tiling_options(recipe.model.tiled_mlp, seq_len)
+    degrees = sequence_parallel_degrees(recipe.train.sequence_parallel, model_config, world, ranks_per_node,
+                                        recipe.model.attn_implementation)
+    passed_over, smallest, lowest_per_degree, refused = [], None, {}, set()
+    for offload in (False, True):
+        for sp in degrees:
+            for path in candidate_configs(deepspeed):
+                name = display_path(path)
+                if name in refused:
+                    continue
+                lowest = None
+                for checkpointing, mbs, recompute, tiled in _options(recipe, path, micro_batches, model_config,
+                                                                     tilings, offload, keep_settings):
+                    trial = with_memory_choice(recipe, checkpointing, mbs, rows_per_step // mbs, recompute, tiled, sp)
+                    row = _estimate(model_config, trial, path, world, recipe_path, cuda)
+                    if cpu_bytes_per_node is not None and row["cpu_states"] * ranks_per_node > cpu_bytes_per_node:
+                        # Offloaded states do not depend on checkpointing or micro-batch: no option of this file fits.
+                        passed_over.append(f"{name}: offloads {row['cpu_states'] * ranks_per_node / GIB:.0f} GiB per "
+                                           f"node, the node has {cpu_bytes_per_node / GIB:.0f} GiB")
+                        refused.add(name)
+                        break
+                    if cpu_bytes_per_node is not None and row["cpu"] * ranks_per_node > cpu_bytes_per_node:
+                        continue  # the offloaded layer inputs do not fit the node
+                    described = (describe_checkpointing(checkpointing, recompute, layers), mbs, sp, tiled)
+                    if lowest is None or row["total"] < lowest[0]:
+                        lowest = (row["total"], *described)
+                    if smallest is None or row["total"] < smallest[0]:
+                        smallest = (row["total"], name, *described)
+                    if row["total"] <= limit:
+                        plan = MemoryPlan(name, checkpointing, mbs, rows_per_step // mbs, row["total"] / GIB, budget_gib,
+                                          row["cpu"] * ranks_per_node / GIB, passed_over, recompute, layers, sp,
+                                          "on" if tiled else "off", seq_len,
+                                          row["cpu_activations"] * ranks_per_node / GIB)
+                        plan.reasons = _reasons(plan, recipe, row, lowest_per_degree, smallest, limit,
+                                                lambda r: _estimate(model_config, r, path, world, recipe_path, cuda))
+                        return plan
+                if lowest is not None:
+                    key = (offload, sp)
+                    lowest_per_degree[key] = min(lowest_per_degree.get(key, lowest[0]), lowest[0])
+                    if not offload and sp == degrees[0]:
+                        passed_over.append(f"{name}: {lowest[0] / GIB:.2f} GiB at its smallest ("
+                                           f"{_option_text(*lowest[1:])})")
     advice = ("Lower data.max_seq_len, use LoRA, add GPUs, or offload to NVMe (ds_configs/zero3_nvme.json with "
               "train.nvme_path)" + ("" if deepspeed == "auto" else ", or pass --deepspeed auto to let zerotune choose"))
     if smallest is None:
         raise ConfigError(f"train.gpu_memory_gib={budget_gib:g}: {'; '.join(passed_over)}. {advice}")
-    total, name, checkpointing, mbs = smallest
+    total, name, *described = smallest
     host = [why for why in passed_over if " offloads " in why]
     raise ConfigError(
         f"train.gpu_memory_gib={budget_gib:g}: nothing fits {FIT_FRACTION:.0%} of it; the smallest is {name} with "
-        f"checkpointing {checkpointing} and micro-batch {mbs} at {total / GIB:.2f} GiB per GPU"
+        f"{_option_text(*described, sentence=True)} at {total / GIB:.2f} GiB per GPU"
         + (f" (CPU memory rules out {'; '.join(host)})" if host else "") + f". {advice}")
 
 
-def preference(path: str, micro_batches: list[int], layers: int,
-               recompute_layers: int | None = None) -> list[tuple[str, int, int | None]]:
-    """(checkpointing, micro-batch, recomputed layers) options of one DeepSpeed file, most preferred first (see the
-    module's rules). Selective comes as every layer count from 1 up (or the recipe's), so the first that fits
-    recomputes the fewest."""
-    counts = [recompute_layers] if recompute_layers else list(range(1, layers))
-    least_first = [("none", None), *(("selective", k) for k in counts), ("full", None)]
+def _estimate(model_config: dict[str, Any], trial: Recipe, path: str, world: int, recipe_path: str,
+              cuda: bool | None) -> dict[str, Any]:
+    ds = resolve_ds_config(path, trial, world, model_config["hidden_size"], recipe_path,
+                           vocab_size=model_config["vocab_size"])
+    return estimate_run(model_config, trial, ds, world, cuda)
+
+
+def _option_text(checkpointing: str, mbs: int, sp: int, tiled: bool, sentence: bool = False) -> str:
+    """`checkpointing full, micro-batch 1` (+ sequence parallel, tiled MLP); `checkpointing full and micro-batch 1`."""
+    extra = (f", sequence parallel {sp}" if sp > 1 else "") + (", tiled MLP" if tiled else "")
+    return f"checkpointing {checkpointing}{' and' if sentence else ','} micro-batch {mbs}{extra}"
+
+
+def _reasons(plan: MemoryPlan, recipe: Recipe, row: dict[str, Any], lowest_per_degree: dict, smallest: tuple,
+             limit: float, estimate) -> list[str]:
+    """Why the plan takes sequence parallelism, the tiled MLP, checkpoint offload: the estimate each rules out."""
+    out, on_gpu = [], plan.activation_checkpointing != "offload"
+    gib = lambda b: f"{b / GIB:,.0f} GiB"  # noqa: E731
+    if plan.sequence_parallel > 1 and recipe.train.sequence_parallel == "auto":
+        one = lowest_per_degree.get((not on_gpu, 1), lowest_per_degree.get((False, 1)))
+        tried = [f"sequence parallel {n}: est. {gib(b)}" for (off, n), b in sorted(lowest_per_degree.items())
+                 if n not in (1, plan.sequence_parallel) and off == (not on_gpu)]
+        out.append(f"sequence parallel {plan.sequence_parallel}: {plan.seq_len:,} tokens per row do not fit one GPU "
+                   + (f"(est. {gib(one)} > {gib(limit)})" if one is not None else "") +
+                   (f"; nor with {', '.join(tried)}" if tried else ""))
+    if plan.tiled_mlp == "on" and recipe.model.tiled_mlp == "auto":
+        untiled = estimate(with_memory_choice(recipe, plan.activation_checkpointing, plan.micro_batch_size,
+                                              plan.grad_accum, plan.recompute_layers, False, plan.sequence_parallel))
+        out.append(f"tiled MLP on: {plan.seq_len:,}-token rows; untiled, this plan needs est. {gib(untiled['total'])}"
+                   f" > {gib(limit)}" if untiled["total"] > limit else
+                   f"tiled MLP on: {plan.seq_len:,}-token rows; it repeats less forward work than the recomputation "
+                   f"untiled rows would need here")
+    if not on_gpu:
+        best_gpu = min((b for (off, _), b in lowest_per_degree.items() if not off), default=None)
+        out.append("layer inputs in CPU memory (checkpointing offload): nothing fits on the GPU"
+                   + (f" (smallest est. {gib(best_gpu)} > {gib(limit)})" if best_gpu is not None else "")
+                   + f"; they take {plan.cpu_activations_gib_per_node:.1f} GiB of pinned CPU memory per node")
+    return out
+
+
+def _options(recipe: Recipe, path: str, micro_batches: list[int], model_config: dict[str, Any], tilings: list[bool],
+             offload: bool, keep_settings: bool) -> list[tuple[str, int, int | None, bool]]:
+    """One pass's (checkpointing, micro-batch, recomputed layers, tiled MLP) options of one file, best first."""
+    if keep_settings:
+        if offload:
+            return []
+        m = recipe.model
+        tiled = tiled_mlp_on(m.tiled_mlp, recipe.data.max_seq_len)
+        return [(m.activation_checkpointing, recipe.train.micro_batch_size, m.recompute_layers, tiled)]
+    if offload:
+        return _by_micro_batch(path, micro_batches, offload_options(tilings))
+    least_first = least_recomputation(model_config, recipe.data.max_seq_len, tilings, recipe.model.recompute_layers)
+    return _by_micro_batch(path, micro_batches, least_first)
+
+
+def _by_micro_batch(path: str, micro_batches: list[int],
+                    least_first: list[tuple[str, int | None, bool]]) -> list[tuple[str, int, int | None, bool]]:
+    """Recomputation options (least first) crossed with micro-batches, per the module's rules: ZeRO-3 and offloading
+    the largest micro-batch first; ZeRO-0/1/2 the least recomputation at a micro-batch of 2 or more, then 1. Selective
+    comes as every layer count from 1 up (or the recipe's), so the first that fits recomputes the fewest."""
     raw = load_ds_json(path)
     if zero_stage(raw) == 3 or offloads_optimizer(raw):  # they pay per micro-batch
-        return [(c, m, k) for m in micro_batches for c, k in least_first]
-    options = [(c, m, k) for c, k in least_first for m in micro_batches if m > 1 or len(micro_batches) == 1]
-    return options + [(c, 1, k) for c, k in least_first if len(micro_batches) > 1]
+        return [(c, m, k, t) for m in micro_batches for c, k, t in least_first]
+    options = [(c, m, k, t) for c, k, t in least_first for m in micro_batches if m > 1 or len(micro_batches) == 1]
+    return options + [(c, 1, k, t) for c, k, t in least_first if len(micro_batches) > 1]
 
 
 def with_memory_choice(recipe: Recipe, checkpointing: str, micro_batch_size: int, grad_accum: int,
-                       recompute_layers: int | None = None) -> Recipe:
-    return dataclasses.replace(
-        recipe,
-        model=dataclasses.replace(recipe.model, activation_checkpointing=checkpointing,
-                                  recompute_layers=recompute_layers if checkpointing == "selective" else None),
-        train=dataclasses.replace(recipe.train, micro_batch_size=micro_batch_size, grad_accum=grad_accum),
-    )
+                       recompute_layers: int | None = None, tiled_mlp: bool | None = None,
+                       sequence_parallel: int | None = None) -> Recipe:
+    """The recipe with the plan's choices; tiled_mlp / sequence_parallel None keep the recipe's."""
+    model = dataclasses.replace(recipe.model, activation_checkpointing=checkpointing,
+                                recompute_layers=recompute_layers if checkpointing == "selective" else None)
+    if tiled_mlp is not None:
+        model = dataclasses.replace(model, tiled_mlp="on" if tiled_mlp else "off")
+    train = dataclasses.replace(recipe.train, micro_batch_size=micro_batch_size, grad_accum=grad_accum)
+    if sequence_parallel is not None:
+        train = dataclasses.replace(train, sequence_parallel=sequence_parallel)
+    return dataclasses.replace(recipe, model=model, train=train)
 
 
 def describe_checkpointing(checkpointing: str, recompute_layers: int | None, layers: int) -> str:

@@ -5,17 +5,23 @@
 Model states follow the ZeRO paper for mixed-precision Adam: per trained parameter 2 bytes of bf16 weight, 2 of gradient
 and 12 of optimizer state (fp32 master 4, Adam m and v 8); frozen (LoRA base) parameters cost their weight only.
 ZeRO-1 splits the optimizer states over the N data-parallel ranks, ZeRO-2 also the gradients, ZeRO-3 also the weights.
-Activations are what autograd saves for backward in transformers' Mistral (bf16, sdpa), counted tensor by tensor and
-checked against torch's saved-tensor hooks in tests/integration/test_estimate.py.
+Activations (finetune/memory/activations.py) are what autograd saves for backward in transformers' Mistral, counted
+tensor by tensor at any sequence length (attention implementation, tiled MLP, checkpointing with CPU offload, sequence
+parallelism), plus backward's transient working set; checked against torch's saved-tensor hooks in
+tests/unit/test_estimate.py. Calibration constants: finetune/memory/calibration.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
 from finetune import shipped
+from finetune.memory.activations import (attention_kind, estimate_activations, recomputed_layers,  # noqa: F401
+                                         tiled_mlp_on)
+from finetune.memory.calibration import FIT_FRACTION  # noqa: F401  (the planner's and `zerotune estimate`'s)
+from finetune.memory.shapes import (LORA_TARGETS, count_parameters, dims, linear_shapes, lora_parameters,  # noqa: F401
+                                    lora_settings)
 
 GIB = 2**30
 # The shipped DeepSpeed JSONs by (stage, offload optimizer, offload parameters), fastest first. ZeRO-2 reduces bf16
@@ -35,63 +41,6 @@ SHIPPED = {
     (3, True, True): "zero3_offload.json",
 }
 SPEED_ORDER = list(SHIPPED)
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
-FIT_FRACTION = 0.9  # the rest of the GPU goes to the CUDA context, NCCL buffers and allocator fragmentation
-
-
-def _dims(cfg: dict[str, Any]) -> tuple[int, int, int, int, int, int]:
-    """(hidden, intermediate, q width, kv width, layers, vocab) of a Mistral config.json."""
-    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or h // heads
-    kv = cfg.get("num_key_value_heads") or heads
-    return h, cfg["intermediate_size"], heads * head_dim, kv * head_dim, cfg["num_hidden_layers"], cfg["vocab_size"]
-
-
-def linear_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each projection of one decoder layer, and of lm_head."""
-    h, i, q, kv, _, vocab = _dims(cfg)
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h), "lm_head": (h, vocab)}
-
-
-def count_parameters(cfg: dict[str, Any]) -> int:
-    """Exact parameter count: embeddings, GQA attention, SwiGLU MLP, RMSNorms, lm_head (unless tied)."""
-    h, _, _, _, layers, vocab = _dims(cfg)
-    shapes = linear_shapes(cfg)
-    per_layer = sum(a * b for name, (a, b) in shapes.items() if name != "lm_head") + 2 * h  # + two RMSNorm weights
-    head = 0 if cfg.get("tie_word_embeddings", False) else h * vocab
-    return vocab * h + layers * per_layer + h + head
-
-
-def _lora(lora_cfg: Any) -> dict[str, Any] | None:
-    """The LoRA settings as a dict (from LoraConfig or a dict), or None for full fine-tuning."""
-    if lora_cfg is None:
-        return None
-    d = dataclasses.asdict(lora_cfg) if dataclasses.is_dataclass(lora_cfg) else dict(lora_cfg)
-    if not d.get("enabled", True):
-        return None
-    targets = list(d.get("target_modules") or [])
-    if not targets or not set(targets) <= set(LORA_TARGETS):
-        raise ValueError(f"lora.target_modules {targets!r}: the estimator knows {', '.join(LORA_TARGETS)}")
-    # lazy: finetune.perf imports torch, which `zerotune estimate` and `compare` otherwise do without
-    import torch
-
-    from finetune.perf.lora_dropout import uses_kernels
-
-    # lora.dropout_kernel resolved as a run on this machine's GPU resolves it, or, without one, on a recent NVIDIA GPU:
-    # these are estimates of GPU memory
-    seeded = uses_kernels(d.get("dropout_kernel", "auto"), cuda=None if torch.cuda.is_available() else True)
-    return {"rank": int(d["rank"]), "targets": targets, "dropout": float(d.get("dropout", 0.0)),
-            "fused": bool(d.get("fused", False)), "seeded_dropout": seeded}
-
-
-def lora_parameters(cfg: dict[str, Any], lora_cfg: Any) -> int:
-    """Adapter parameters: rank x (in + out) for every targeted projection of every layer (A is r x in, B is out x r)."""
-    lora = _lora(lora_cfg)
-    if lora is None:
-        return 0
-    shapes, layers = linear_shapes(cfg), cfg["num_hidden_layers"]
-    return sum(lora["rank"] * sum(shapes[t]) * (1 if t == "lm_head" else layers) for t in lora["targets"])
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -115,7 +64,7 @@ def estimate_model_states(config_dict: dict[str, Any], lora_cfg: Any, stage: int
     if offload_params and (stage != 3 or not offload_optimizer):
         raise ValueError("parameter offload needs ZeRO-3 with optimizer offload")
     total = count_parameters(config_dict)
-    lora = _lora(lora_cfg) is not None
+    lora = lora_settings(lora_cfg) is not None
     trained = lora_parameters(config_dict, lora_cfg) if lora else total
     frozen = total if lora else 0  # LoRA adds adapters on top of the frozen base
     trained_bytes = (adapter_dtype_bytes or dtype_bytes) if lora else dtype_bytes
@@ -137,137 +86,6 @@ def estimate_model_states(config_dict: dict[str, Any], lora_cfg: Any, stage: int
         cpu, params = cpu + params, 0
     return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer, "cpu": cpu,
             "parameters": trained + frozen, "trained_parameters": trained}
-
-
-def _layer_bytes(cfg: dict[str, Any], lora: dict[str, Any] | None, seq_len: int, d: int, attn: str, packing: bool,
-                 mask_bytes: int, ad: int, first: bool = False, liger: bool = False, fused_mlp: bool = False) -> float:
-    """Bytes autograd saves per token in one decoder layer (transformers' Mistral, traced with saved-tensor hooks).
-
-    liger (model.kernels): liger-kernel's RMSNorm saves its 16-bit input and rstd (transformers' keeps an fp32 copy
-    and the normalised x), its SwiGLU saves gate and up (transformers' also silu(gate)); from liger's autograd code.
-    fused_mlp (finetune/perf/fused_mlp.py): the MLP keeps gate and up only, where down_proj is not LoRA-adapted.
-    """
-    h, i, q, kv, _, _ = _dims(cfg)
-    heads = cfg["num_attention_heads"]
-    shapes = linear_shapes(cfg)
-    fused = lora is not None and lora["fused"] and ad == d  # finetune/perf/fused_lora.py; mixed dtypes run peft's forward
-    masked = attn != "sdpa" or packing  # with a mask, transformers repeats k/v to every head before attention
-    kv_saved = q if masked else kv
-    if attn == "sdpa":
-        # q, k, v after RoPE, the output (also o_proj's input), fp32 log-sum-exp; a packed batch's block-diagonal
-        # mask is materialised per layer in the activations' dtype.
-        attention = d * (2 * q + 2 * kv_saved) + 4 * heads + (d * seq_len if packing else 0)
-    else:
-        # eager: q, k, v, the fp32 softmax plus its 16-bit copy for every (query, key) pair, and o_proj's input when
-        # something keeps it (a trained o_proj, or its adapter without dropout).
-        keeps_out = lora is None or ("o_proj" in lora["targets"] and (lora["dropout"] == 0 or fused))
-        attention = d * (q + 2 * kv_saved + (q if keeps_out else 0)) + heads * seq_len * (4 + d)
-    norm_full = 4 * h + 4 + 2 * d * h  # fp32 input, rstd, normalised x (weight grad), output (projections' input)
-    if liger:
-        norm_full = 2 * d * h + 4  # input, rstd, output (the projections' input)
-    if lora is None:  # gate, up, silu(gate), product (down's input)
-        return 2 * norm_full + attention + (2 if fused_mlp else 3 if liger else 4) * d * i
-    norm = d * h + 4 if liger else 4 * h + 4  # frozen weights: neither the normalised x nor the projections' input
-    mlp = (2 if liger or fused_mlp else 3) * d * i  # silu(gate)'s input, and both factors of the product
-    adapters = 0.0
-    shared = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "gate_proj": "mlp_in", "up_proj": "mlp_in",
-              "o_proj": "attn_out", "down_proj": "down_in"}
-    inputs_saved = set()
-    for t in lora["targets"]:
-        if t == "lm_head":
-            continue
-        width = shapes[t][0]
-        adapters += ad * lora["rank"]  # lora_A's output, saved by lora_B
-        if fused or (lora["dropout"] == 0 and ad == d):
-            # x itself is kept, once per distinct input (attention keeps o_proj's); the fused function adds a bool
-            # mask per adapter (native_dropout's), or only a seed with the Triton dropout (finetune/perf/lora_dropout.py)
-            adapters += width if lora["dropout"] > 0 and not (fused and lora["seeded_dropout"]) else 0
-            if shared[t] not in inputs_saved and shared[t] != "attn_out":
-                inputs_saved.add(shared[t])
-                adapters += d * width
-        elif lora["dropout"] > 0:
-            # each adapter drops its own copy of the input: lora_A keeps it, dropout keeps the mask (none is needed
-            # in the first layer, where nothing upstream is trained)
-            no_mask = first and shared[t] == "attn_in"
-            adapters += ad * width + (0 if no_mask else mask_bytes * width)
-        else:  # peft casts the input to the adapters' dtype, a copy per adapter
-            adapters += ad * width
-    norms = norm if first else 2 * norm  # the first layer's input norm: its input (the frozen embedding) needs no grad
-    return norms + attention + mlp + adapters
-
-
-def recomputed_layers(checkpointing: str, layers: int, recompute_layers: int | None = None) -> list[int]:
-    """The decoder layers recomputed in backward: none; all (full); `recompute_layers` of them spread evenly, layer 0
-    first (selective; null = every second one: 0, 2, 4...)."""
-    if checkpointing not in ("none", "selective", "full"):
-        raise ValueError(f"checkpointing must be none, selective or full, got {checkpointing!r}")
-    if checkpointing != "selective":
-        return list(range(layers)) if checkpointing == "full" else []
-    if recompute_layers is None:
-        return list(range(0, layers, 2))
-    if not 0 < recompute_layers <= layers:
-        raise ValueError(f"model.recompute_layers={recompute_layers}: the model has {layers} decoder layers, so "
-                         f"selective checkpointing recomputes 1 to {layers} of them")
-    return [j * layers // recompute_layers for j in range(recompute_layers)]
-
-
-def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: int, micro_batch: int,
-                         checkpointing: str = "full", dtype_bytes: int = 2, attn_implementation: str = "sdpa",
-                         packing: bool = True, dropout_mask_bytes: int = 1,
-                         adapter_dtype_bytes: int | None = None, fused_loss: bool = False,
-                         liger: bool = False, recompute_layers: int | None = None,
-                         fused_mlp: bool = False) -> dict[str, float]:
-    """Activation bytes of one micro-batch (rows of seq_len tokens) per GPU, at the peak of backward.
-
-    checkpointing: none keeps every layer's activations; full keeps each layer's input and recomputes one layer at a
-    time in backward; selective recomputes `recompute_layers` of them (recomputed_layers). The loss adds the 16-bit
-    logits kept by the training loop, their fp32 copy and the fp32 log-softmax (10 bytes per vocabulary entry per token
-    in bf16).
-    dropout_mask_bytes: CUDA's dropout keeps a bool mask; the CPU kernel keeps one in the input's dtype.
-    adapter_dtype_bytes: the LoRA adapters' width when it differs from the activations' (fp32 under ZeRO-0's autocast).
-    fused_loss (finetune/perf/fused_loss.py): one chunk of rows' logits at a time; the gradients of the head's input (and of its
-    weight, when trained: an fp32 sum while it is built) are computed in forward and held until backward.
-    fused_mlp (finetune/perf/fused_mlp.py): each MLP keeps gate and up, not their product, which backward rebuilds one
-    layer at a time. It applies where down_proj is a plain linear layer, not LoRA-adapted.
-    """
-    lora = _lora(lora_cfg)
-    fused_mlp = fused_mlp and (lora is None or "down_proj" not in lora["targets"])
-    h, _, q, _, layers, vocab = _dims(config_dict)
-    tokens = seq_len * micro_batch
-    d = dtype_bytes
-    layer_args = (config_dict, lora, seq_len, d, attn_implementation, packing, dropout_mask_bytes, adapter_dtype_bytes or d)
-    per_layer = _layer_bytes(*layer_args, liger=liger, fused_mlp=fused_mlp)
-    first = _layer_bytes(*layer_args, first=True, liger=liger, fused_mlp=fused_mlp) if lora is not None else per_layer
-    recomputed = len(recomputed_layers(checkpointing, layers, recompute_layers))  # layer 0 among them, if any
-    kept = layers - recomputed
-    if lora is not None and checkpointing == "none":
-        saved_layers = first + (layers - 1) * per_layer
-    else:
-        saved_layers = kept * per_layer + recomputed * d * h  # a checkpointed layer keeps only its input
-    recompute = per_layer if recomputed else 0.0  # one layer's activations rebuilt at a time in backward
-    recompute += d * _dims(config_dict)[1] if fused_mlp else 0  # and one layer's MLP product
-    rope = 2 * d * (q // config_dict["num_attention_heads"])  # cos and sin, shared by every layer
-    lm_head_trained = lora is None or "lm_head" in lora["targets"]
-    final_norm = 4 * h + 4 + (2 * d * h if lm_head_trained and not fused_loss else 0)
-    ids = 8 if lora is None else 0  # the embedding's backward needs the token ids
-    if fused_loss:
-        from finetune.perf.fused_loss import CHUNK_ROWS  # lazy: that module imports torch (see _lora)
-
-        head = vocab * h if lm_head_trained else 0
-        loss_saved = tokens * d * h + d * head  # the head's input and weight gradients
-        loss_transient = min(tokens, CHUNK_ROWS) * vocab * (8 + d) + 4 * head  # a chunk's fp32 logits, softmax, 16-bit grad
-    else:
-        loss_saved = tokens * 4 * vocab  # fp32 log-softmax, kept for backward
-        loss_transient = tokens * (d + 4) * vocab  # the 16-bit logits held by the loop and their fp32 copy
-    out = {
-        "layers": tokens * saved_layers,
-        "recompute": tokens * recompute,
-        "other": tokens * (rope + final_norm + ids),
-        "logits": loss_saved + loss_transient,
-    }
-    out["saved"] = out["layers"] + out["other"] + loss_saved  # what autograd holds after forward
-    out["total"] = out["layers"] + out["recompute"] + out["other"] + out["logits"]
-    return out
 
 
 def estimate_buffers(config_dict: dict[str, Any], ds: dict[str, Any], stage: int, dtype_bytes: int) -> int:
@@ -301,8 +119,20 @@ def precision_bytes(ds: dict[str, Any], stage: int) -> tuple[int, int, int]:
     return (4, 2, 4) if stage == 0 else (2, 2, 2)
 
 
-def estimate_run(model_config: dict[str, Any], recipe, ds: dict[str, Any], world: int) -> dict[str, Any]:
-    """Every term for one resolved DeepSpeed config, in bytes per GPU (cpu: per rank)."""
+def sequence_parallel_degree(recipe) -> int:
+    """train.sequence_parallel as an estimate takes it: `auto` (not planned) is 1."""
+    sp = recipe.train.sequence_parallel
+    return sp if isinstance(sp, int) else 1
+
+
+def estimate_run(model_config: dict[str, Any], recipe, ds: dict[str, Any], world: int,
+                 cuda: bool | None = None) -> dict[str, Any]:
+    """Every term for one resolved DeepSpeed config, in bytes per GPU (cpu: per rank).
+
+    cuda: whether the run is on CUDA, which resolves model.attn_implementation `auto` (flex there, sdpa elsewhere);
+    None = this machine. ZeRO partitions over the whole world also under sequence parallelism (DeepSpeed's
+    sequence-data-parallel group); activations are per rank's share of each row.
+    """
     zero = ds.get("zero_optimization", {})
     stage = int(zero.get("stage", 0))
     offload_optimizer = zero.get("offload_optimizer", {}).get("device", "none") in ("cpu", "nvme")
@@ -311,12 +141,13 @@ def estimate_run(model_config: dict[str, Any], recipe, ds: dict[str, Any], world
     lora = recipe.lora if recipe.lora.enabled else None
     states = estimate_model_states(model_config, lora, stage, world, offload_optimizer, offload_params, weight_bytes,
                                    adapter_bytes)
-    acts = estimate_activations(model_config, lora, recipe.data.max_seq_len, recipe.train.micro_batch_size,
-                                recipe.model.activation_checkpointing, act_bytes,
-                                "sdpa" if recipe.model.attn_implementation in ("auto", "flex") else recipe.model.attn_implementation,
-                                recipe.data.packing, adapter_dtype_bytes=adapter_bytes,
-                                fused_loss=recipe.model.fused_loss, liger=uses_liger(recipe.model.kernels),
-                                recompute_layers=recipe.model.recompute_layers, fused_mlp=recipe.model.fused_mlp)
+    m, seq_len = recipe.model, recipe.data.max_seq_len
+    attn, sp = attention_kind(m.attn_implementation, cuda), sequence_parallel_degree(recipe)
+    tiled = tiled_mlp_on(m.tiled_mlp, seq_len)
+    acts = estimate_activations(model_config, lora, seq_len, recipe.train.micro_batch_size, m.activation_checkpointing,
+                                act_bytes, attn, recipe.data.packing, adapter_dtype_bytes=adapter_bytes,
+                                fused_loss=m.fused_loss, liger=uses_liger(m.kernels), recompute_layers=m.recompute_layers,
+                                fused_mlp=m.fused_mlp, tiled_mlp=tiled, sequence_parallel=sp)
     buffers = estimate_buffers(model_config, ds, stage, weight_bytes)
     trained_bytes = adapter_bytes if lora is not None else weight_bytes
     step = step_gradients(states, stage, world, trained_bytes, offload_optimizer, zero.get("sub_group_size", 10**9))
@@ -328,14 +159,20 @@ def estimate_run(model_config: dict[str, Any], recipe, ds: dict[str, Any], world
     return {"config": config_label(stage, offload_optimizer, offload_params, zero), "stage": stage,
             "offload_optimizer": offload_optimizer, "offload_params": offload_params,
             "params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
-            "activations": acts["total"], "buffers": buffers, "step": step, "init": at_init,
-            "total": max(backward, at_step, at_init), "cpu": states["cpu"] + cpu_at_init,
-            "parameters": states["parameters"], "trained_parameters": states["trained_parameters"]}
+            "activations": acts["kept"], "transient": acts["transient"], "buffers": buffers, "step": step,
+            "init": at_init, "backward": backward, "total": max(backward, at_step, at_init),
+            "cpu": states["cpu"] + cpu_at_init + acts["cpu"], "cpu_states": states["cpu"] + cpu_at_init,
+            "cpu_activations": acts["cpu"], "parameters": states["parameters"],
+            "trained_parameters": states["trained_parameters"],
+            "seq_len": seq_len, "micro_batch_size": recipe.train.micro_batch_size, "attention": attn,
+            "tiled_mlp": tiled, "sequence_parallel": sp, "activation_checkpointing": m.activation_checkpointing,
+            "terms": {k: acts[k] for k in ("layers", "other", "logits", "layer_backward", "attention_backward",
+                                           "mlp_tile", "loss_chunk")}}
 
 
 def uses_liger(kernels: str) -> bool:
     """Whether a run with this model.kernels uses liger's modules: `auto` only where they can run (CUDA + installed)."""
-    from finetune.perf import liger as fused_kernels  # lazy: finetune.perf imports torch (see _lora)
+    from finetune.perf import liger as fused_kernels  # lazy: finetune.perf imports torch (see shapes.lora_settings)
 
     return kernels == "liger" or (kernels == "auto" and fused_kernels.available() is None)
 

@@ -36,6 +36,7 @@ from finetune.multinode.doctor import doctor_command, run_doctor
 from finetune.multinode.jobwatch import SAVE_WAIT_S, run_job, span
 from finetune.multinode.plan import LaunchPlan
 from finetune.multinode.preflight import run_preflight
+from finetune.parallel.degree import check_world
 
 REPO = shipped.IMPORT_ROOT  # the folder holding this `finetune` package: the checkout, or site-packages
 DEFAULT_SCRIPT = os.path.join(shipped.PACKAGE, "main.py")
@@ -161,6 +162,7 @@ def build_plan(args: argparse.Namespace, train_args: list[str], environ: dict[st
     if script.startswith(os.getcwd() + os.sep):
         script = os.path.relpath(script)
     hosts, hostfile, hostfile_text = _select_hosts(args, environ)
+    check_sequence_parallel(train_args, sum(map(len, hosts.values())))
     first = next(iter(hosts))
     master_addr = args.master_addr or (first if args.launcher == "slurm" else address_of(first))
     loopback = args.launcher != "slurm" and all(is_loopback(address_of(host)) for host in hosts)
@@ -270,17 +272,35 @@ def _parse_env(text: str, name: str) -> dict[str, str]:
 
 def output_dir_of(train_args: list[str]) -> str:
     """train.output_dir as finetune/main.py will resolve it: a `train.output_dir=` override, else the recipe's."""
-    overrides = [a for a in train_args if "=" in a and not a.startswith("-")]
+    config, overrides = _recipe_args(train_args)
     for item in reversed(overrides):
         if item.startswith("train.output_dir="):
             return item.partition("=")[2]
-    config = next((a.partition("=")[2] for a in train_args if a.startswith("--config=")), None)
-    if "--config" in train_args[:-1]:
-        config = train_args[train_args.index("--config") + 1]
     try:
         return load_recipe(config, overrides).train.output_dir
     except ConfigError as e:
         raise LaunchError(f"cannot resolve train.output_dir for the preflight: {e}") from e
+
+
+def check_sequence_parallel(train_args: list[str], world: int) -> None:
+    """LaunchError when the recipe's train.sequence_parallel does not divide the `world` ranks of the hosts: every
+    rank would stop on it after starting. A recipe that does not load is left for the ranks to report in full."""
+    try:
+        degree = load_recipe(*_recipe_args(train_args)).train.sequence_parallel
+        if degree != "auto":
+            check_world(int(degree), world)
+    except ConfigError as e:
+        if "sequence_parallel" in str(e):
+            raise LaunchError(str(e)) from None
+
+
+def _recipe_args(train_args: list[str]) -> tuple[str | None, list[str]]:
+    """(--config, the section.key=value overrides) of finetune/main.py's arguments."""
+    overrides = [a for a in train_args if "=" in a and not a.startswith("-")]
+    config = next((a.partition("=")[2] for a in train_args if a.startswith("--config=")), None)
+    if "--config" in train_args[:-1]:
+        config = train_args[train_args.index("--config") + 1]
+    return config, overrides
 
 
 def _plain_iface(environ: dict[str, str]) -> str:

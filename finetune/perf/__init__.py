@@ -13,7 +13,11 @@ apply's order, and why:
   2. fused_lora   peft's LoRA layers swapped for the fused class (with lora_dropout_kernel: its Triton dropout);
   3. fused_mlp    after LoRA, which decides whether down_proj is still a plain linear layer (an adapted one keeps its
                   path); it replaces the MLP forward liger set, and uses liger's SwiGLU product when liger is on;
-  4. fused_loss   the output layer; independent of the others.
+  4. tiled_mlp    after the three above: it wraps whatever forward each MLP has by then (liger's, the fused one, with
+                  LoRA projections inside) and runs it a tile of tokens at a time;
+  5. fused_loss   the output layer; independent of the others.
+  6. flex_attention  the attention function the model's config names (attention.py); independent of the others
+                  (liger's attention forward looks the function up by that name too).
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from typing import Any
 from finetune.config import Recipe
 from finetune.ds_config import zero_stage
 from finetune.perf import liger, lora_dropout
+from finetune.perf import attention
 from finetune.perf.fused_lora import install_fused_lora
 from finetune.perf.fused_loss import install_fused_loss
 from finetune.perf.fused_mlp import install_fused_mlp
+from finetune.perf import tiled_mlp
 from finetune.perf.overflow_check import install_overflow_check
 
 
@@ -50,8 +56,12 @@ SPEEDUPS = (
             "fused LoRA's dropout masks drawn from a seed inside Triton kernels, none kept (CUDA)"),
     SpeedUp("fused_mlp", "model.fused_mlp", False,
             "SwiGLU product and down projection in one function that keeps no product"),
+    SpeedUp("tiled_mlp", "model.tiled_mlp", "off",
+            "each MLP a tile of tokens at a time, forward and backward; no whole-row [tokens, intermediate] tensor"),
     SpeedUp("fused_loss", "model.fused_loss", False,
             "output layer and loss a chunk of rows at a time, logits never whole"),
+    SpeedUp("flex_attention", "model.attn_implementation", "sdpa",
+            "FlexAttention over a block mask of the packed samples and the sliding window, no S x S mask (CUDA)"),
     SpeedUp("overflow_check", "optim.overflow_check", "deepspeed",
             "bf16 ZeRO-1/2 find a non-finite gradient by its norm alone, without DeepSpeed's per-tensor test", True),
 )
@@ -75,10 +85,24 @@ def apply(model, recipe: Recipe, ds_config: dict[str, Any]) -> list[str]:
             applied.append("lora_dropout_kernel")
     if m.fused_mlp and install_fused_mlp(model, stage, liger="liger" in applied):
         applied.append("fused_mlp")
+    micro_batch_tokens = recipe.train.micro_batch_size * recipe.data.max_seq_len
+    if tiled_mlp.wanted(m.tiled_mlp, recipe.data.max_seq_len) and tiled_mlp.install_tiled_mlp(model, stage,
+                                                                                            micro_batch_tokens):
+        applied.append("tiled_mlp")
     if m.fused_loss:
         install_fused_loss(model)
         applied.append("fused_loss")
+    if attention.resolve(m.attn_implementation, _device_type()) == "flex":
+        attention.install(model)
+        applied.append("flex_attention")
     return applied
+
+
+def _device_type() -> str:
+    """Where the model will run: perf.apply sees it still on the CPU, before deepspeed.initialize moves it."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def apply_engine(engine, recipe: Recipe) -> list[str]:

@@ -308,3 +308,110 @@ def test_fused_mlp_plans_of_the_h200_benchmark(zero):
     before = budget.plan_memory(unfused, MISTRAL, path, 2, 139.8, NODE_RAM, 2)
     assert (before.activation_checkpointing, before.micro_batch_size) == {"zero2": ("none", 4),
                                                                           "zero3": ("selective", 8)}[zero]
+
+
+# --- long rows: sequence parallelism, the tiled MLP, checkpoint offload -------------------------------------------------
+
+def _long(kind: str, seq_len: int, *extra: str):
+    """One row per micro-batch, the recipe's attention (auto: estimated as a GPU resolves it, flex)."""
+    return load_recipe(RECIPES[kind], ["model.path=recipes/mistral7b_shape", "train.micro_batch_size=1",
+                                       f"data.max_seq_len={seq_len}", *extra])
+
+
+def _plan(recipe, world: int, gib: float, ram: float = 512 * GIB, per_node: int | None = None, deepspeed="auto"):
+    return budget.plan_memory(recipe, MISTRAL, deepspeed, world, gib, ram, per_node or world, cuda=True)
+
+
+def test_sequence_parallel_only_when_one_gpu_does_not_fit_and_offload_last():
+    """LoRA at 262K tokens on 80 GiB GPUs: nothing fits one GPU on the GPU alone, so the plan splits each row over 2
+    ranks and says why; with the degree fixed at 1, checkpoint offload (layer inputs in CPU memory) is the way; at 32K
+    nothing is split."""
+    plan = _plan(_long("lora", 262144), 8, 80)
+    assert (plan.sequence_parallel, plan.tiled_mlp, plan.activation_checkpointing != "offload") == (2, "on", True)
+    summary = plan.summary()
+    assert summary.startswith("memory plan (80 GiB per GPU, fits at <= 90%): ds_configs/")
+    assert "262,144-token rows: sequence parallel 2, tiled MLP on, layer inputs in CPU memory: no" in summary
+    assert "sequence parallel 2: 262,144 tokens per row do not fit one GPU (est. " in summary and "> 72 GiB)" in summary
+    one = _plan(_long("lora", 262144, "train.sequence_parallel=1"), 8, 80)
+    assert (one.sequence_parallel, one.activation_checkpointing) == (1, "offload")
+    assert one.cpu_activations_gib_per_node == pytest.approx(8 * 32 * 262144 * 4096 * 2 / GIB)
+    assert "layer inputs in CPU memory (checkpointing offload): nothing fits on the GPU (smallest est." in one.summary()
+    assert _plan(_long("lora", 32768), 8, 80).sequence_parallel == 1
+    # what the planner puts in the recipe for prepare/train: the degree, tiling and checkpointing as chosen
+    chosen = budget.with_memory_choice(_long("lora", 262144), plan.activation_checkpointing, plan.micro_batch_size,
+                                       plan.grad_accum, plan.recompute_layers, plan.tiled_mlp == "on",
+                                       plan.sequence_parallel)
+    assert (chosen.train.sequence_parallel, chosen.model.tiled_mlp) == (2, "on")
+
+
+def test_sequence_parallel_degrees_divide_the_world_and_the_heads():
+    from finetune.memory.long_rows import sequence_parallel_degrees
+
+    assert sequence_parallel_degrees("auto", MISTRAL, 16, 8) == [1, 2, 4, 8, 16]  # 16: each rank a copy of a kv head
+    assert sequence_parallel_degrees("auto", MISTRAL, 16, 4) == [1, 2, 4, 8, 16]  # 8, 16 span nodes: after 2, 4
+    assert sequence_parallel_degrees("auto", MISTRAL, 12, 12) == [1, 2, 4]  # 3, 6, 12 do not divide 32 heads
+    assert sequence_parallel_degrees("auto", MISTRAL, 12, 6) == [1, 2, 4]  # 4 is not inside a node of 6
+    assert sequence_parallel_degrees("auto", MISTRAL, 8, 8, "sdpa") == [1]  # SP runs zerotune's attention only
+    assert sequence_parallel_degrees(4, MISTRAL, 8, 8) == [4]
+    six = _plan(_long("lora", 262144), 6, 80)  # 3 and 6 cannot split the heads
+    assert six.sequence_parallel == 2
+
+
+def test_tiling_is_chosen_at_long_rows_with_its_reason_and_never_at_short_ones():
+    plan = _plan(_long("full", 131072), 8, 80)
+    assert plan.tiled_mlp == "on" and plan.sequence_parallel == 1
+    assert "tiled MLP on: 131,072-token rows; untiled, this plan needs est. " in plan.summary()
+    short = _plan(_long("full", 2048), 8, 80)
+    assert short.tiled_mlp == "off" and short.summary().count("\n") == len(short.passed_over)  # one line, as before
+    fixed = _plan(_long("full", 131072, "model.tiled_mlp='off'"), 8, 80)  # quoted: YAML reads off as false
+    assert fixed.tiled_mlp == "off" and "tiled MLP" not in fixed.summary()
+
+
+def test_checkpoint_offload_needs_the_host_memory():
+    """Layer inputs in pinned CPU memory count against the node like offloaded optimizer states: too little RAM and
+    offload is not an option; an explicit offload run is checked before it starts."""
+    with pytest.raises(ConfigError) as e:
+        _plan(_long("lora", 262144, "train.sequence_parallel=1"), 8, 80, ram=64 * GIB)
+    assert "nothing fits 90% of it" in str(e.value)
+    recipe = _long("lora", 262144, "model.activation_checkpointing=offload", "model.tiled_mlp='on'")
+    ds = resolve_ds_config(os.path.join(ROOT, "ds_configs", "zero2.json"), recipe, 8, 4096)
+    row = estimate_run(MISTRAL, recipe, ds, 8, cuda=True)
+    assert row["cpu_activations"] == 32 * 262144 * 4096 * 2 and row["cpu"] == row["cpu_activations"]
+    with pytest.raises(ConfigError) as e:
+        budget.check_host_memory(row, 8, 256 * GIB, None)
+    assert "offloads 512 GiB per node to CPU memory (8 rank(s) x 64.0 GiB)" in str(e.value)
+
+
+def test_fit_puts_the_long_row_choices_in_the_recipe(monkeypatch, capsys):
+    """What prepare and train read: the recipe fit returns carries the degree, tiling and checkpointing as planned
+    (and the plan has them too); the printed plan says why."""
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    recipe = _long("lora", 262144, "train.gpu_memory_gib=80", "train.cpu_memory_gib=512",
+                   "model.attn_implementation=flex")  # flex named: this CPU machine would resolve auto to sdpa
+    chosen, ds, plan = budget.fit(recipe, MISTRAL, "auto", 8, RECIPES["lora"])
+    assert (chosen.train.sequence_parallel, chosen.model.tiled_mlp, chosen.model.activation_checkpointing) == \
+        (plan.sequence_parallel, plan.tiled_mlp, plan.activation_checkpointing) == (2, "on", "selective")
+    assert ds == plan.deepspeed
+    assert "sequence parallel 2: 262,144 tokens per row do not fit one GPU" in capsys.readouterr().out
+
+
+def test_auto_sequence_parallel_on_a_gpu_keeps_the_recipes_other_settings(monkeypatch, capsys):
+    """No budget, a DeepSpeed file and checkpointing named, rows longer than a tile, train.sequence_parallel auto, on
+    a (here simulated) 80 GiB GPU: only the degree is planned; where nothing fits, the run goes as written, warned."""
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(dist, "local_gpus", lambda: [80 * GIB] * 8)
+    zero3 = os.path.join(ROOT, "ds_configs", "zero3.json")
+    recipe = _long("lora", 262144, "model.activation_checkpointing=full", "model.attn_implementation=flex",
+                   "train.cpu_memory_gib=512")
+    chosen, ds, plan = budget.fit(recipe, MISTRAL, zero3, 8, RECIPES["lora"])
+    assert plan is not None and ds == plan.deepspeed == "ds_configs/zero3.json"
+    assert (chosen.train.sequence_parallel, chosen.model.activation_checkpointing, chosen.train.micro_batch_size,
+            chosen.model.tiled_mlp) == (2, "full", 1, "on")
+    too_long = _long("lora", 262144, "model.activation_checkpointing=none", "model.attn_implementation=flex",
+                     "train.cpu_memory_gib=512")
+    chosen, ds, plan = budget.fit(too_long, MISTRAL, zero3, 8, RECIPES["lora"])
+    assert plan is None and chosen.train.sequence_parallel == "auto" and ds == zero3
+    assert "warning: train.sequence_parallel=auto: with the recipe's checkpointing and micro-batch no degree fits " \
+        "this GPU's 80 GiB, so it runs with 1" in capsys.readouterr().out

@@ -201,3 +201,11 @@ def test_train_help_names_the_command_and_the_sections(capsys):
     listed = {line.split()[0] for line in out.splitlines() if line.startswith("  ") and line.split()[0] in sections()}
     assert listed == {"model", "lora", "data", "optim", "train"}
     assert "max_steps" in out and "target_modules" in out  # each section's keys
+
+
+def test_a_bare_on_or_off_is_the_word_not_a_boolean():
+    """YAML 1.1 reads `on`/`off` as booleans; a key whose values are the words gets the words back."""
+    assert load_recipe("tiny", ["model.tiled_mlp=on"]).model.tiled_mlp == "on"
+    assert load_recipe("tiny", ["model.tiled_mlp=off"]).model.tiled_mlp == "off"
+    with pytest.raises(ConfigError, match="model.fused_loss must be bool"):
+        load_recipe("tiny", ["model.fused_loss=auto"])

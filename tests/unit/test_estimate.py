@@ -68,7 +68,7 @@ CASES = [("zero0", True, False), ("zero1", True, False), ("zero2", True, False),
 
 
 def _saved_bytes(lora: LoraConfig | None, attn: str, packed: bool, fp32_adapters: bool,
-                 fused_mlp: bool = False) -> tuple[float, dict]:
+                 fused_mlp: bool = False, tiled_mlp: bool = False) -> tuple[float, dict]:
     """Bytes autograd keeps after a bf16 forward + loss of the tiny model (parameters excluded), per token. The
     small-vocabulary one: the estimate counts the logits from the config's vocabulary like every other tensor, and a
     32,000-wide bf16 output layer is slow on CPUs that emulate bf16."""
@@ -94,6 +94,10 @@ def _saved_bytes(lora: LoraConfig | None, attn: str, packed: bool, fp32_adapters
         from finetune.perf.fused_mlp import install_fused_mlp
 
         install_fused_mlp(model, zero_stage=2, liger=False)
+    if tiled_mlp:  # after the fused MLP, as perf.apply installs it; tiles of 64 tokens
+        from finetune.perf.tiled_mlp import install_tiled_mlp
+
+        assert install_tiled_mlp(model, zero_stage=2, max_tokens=2 * 256, tile_tokens=64) == cfg.num_hidden_layers
     model.train()
     rows, seq = 2, 256
     ids = torch.randint(0, cfg.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(0))
@@ -112,7 +116,7 @@ def _saved_bytes(lora: LoraConfig | None, attn: str, packed: bool, fp32_adapters
         torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids.reshape(-1))
     adapter_bytes = 4 if fp32_adapters else 2  # the CPU's dropout mask has the adapters' input dtype (CUDA's: bool)
     est = estimate_activations(cfg.to_dict(), lora, seq, rows, "none", 2, attn, packed, dropout_mask_bytes=adapter_bytes,
-                               adapter_dtype_bytes=adapter_bytes, fused_mlp=fused_mlp)
+                               adapter_dtype_bytes=adapter_bytes, fused_mlp=fused_mlp, tiled_mlp=tiled_mlp)
     return sum(saved.values()), est
 
 
@@ -135,6 +139,14 @@ def test_fused_mlp_estimate_matches_saved_tensors(lora):
     assert est["saved"] == pytest.approx(measured_bytes, rel=1e-3), (measured_bytes, est)
     unfused_bytes, _ = _saved_bytes(lora, "sdpa", True, False)
     assert (measured_bytes < unfused_bytes) == (lora is not LORA)
+
+
+@pytest.mark.parametrize("lora", [None, LORA, UNFUSED, LoraConfig(rank=16, dropout=0.0, fused=False)],
+                         ids=["full", "lora", "lora-unfused", "lora-unfused-no-dropout"])
+def test_tiled_mlp_estimate_matches_saved_tensors(lora):
+    """finetune/perf/tiled_mlp.py keeps each MLP's input only (over the fused MLP where that applies)."""
+    measured_bytes, est = _saved_bytes(lora, "sdpa", True, False, fused_mlp=True, tiled_mlp=True)
+    assert est["saved"] == pytest.approx(measured_bytes, rel=1e-3), (measured_bytes, est)
 
 
 def test_checkpointing_keeps_only_layer_inputs_plus_one_layer():
@@ -203,3 +215,116 @@ def test_cli_needs_gpu_memory_without_a_gpu(capsys):
         pytest.skip("this machine has a GPU")
     assert main(["--config", os.path.join(ROOT, "recipes", "tiny.yaml"), "--gpus", "2"]) == 2
     assert "--gpu-memory-gib" in capsys.readouterr().err
+
+
+# --- long rows: attention implementation, tiled MLP, checkpoint offload, sequence parallelism --------------------------
+
+H, INTER, Q, KV, LAYERS = 4096, 14336, 4096, 1024, 32
+
+
+def _acts(seq_len: int, checkpointing: str = "none", lora=None, **kw) -> dict:
+    return estimate_activations(MISTRAL, lora, seq_len, 1, checkpointing, 2, **{"fused_loss": True, **kw})
+
+
+def test_flex_drops_the_packed_mask_and_the_repeated_kv():
+    """sdpa over a packed row materialises a [S, S] mask per layer and repeats k/v to all 32 heads; flex keeps q, k, v
+    (8 kv heads), the output and the log-sum-exp, and one block mask per micro-batch."""
+    seq = 32768
+    sdpa, flex = _acts(seq, attn_implementation="sdpa"), _acts(seq, attn_implementation="flex")
+    per_layer_token = 2 * seq + 2 * 2 * (Q - KV)  # the mask's row, k and v at 32 heads instead of 8
+    assert sdpa["layers"] - flex["layers"] == LAYERS * seq * per_layer_token
+    blocks = seq // 128
+    assert flex["other"] - sdpa["other"] == blocks * blocks * 4 * 4  # int32 block indices, 4 tensors
+    assert flex["attention_backward"] < sdpa["attention_backward"]  # dk, dv at the kv heads' width
+
+
+def test_tiled_mlp_keeps_only_the_mlp_input():
+    """Full fine-tune: the MLP's [tokens, 14336] tensors go (its input is the norm's output, already kept); LoRA: its
+    input is kept instead of the intermediates and the adapters' tensors; one tile's intermediates are transient."""
+    seq = 65536
+    plain = _acts(seq, attn_implementation="flex", fused_mlp=False)
+    tiled = _acts(seq, attn_implementation="flex", fused_mlp=False, tiled_mlp=True)
+    assert plain["layers"] - tiled["layers"] == LAYERS * seq * 4 * 2 * INTER  # gate, up, silu(gate), product
+    assert tiled["mlp_tile"] == 4096 * 7 * 2 * INTER + seq * 2 * H + 6 * 3 * H * INTER  # a tile; grad of x; weight grads
+    lora = LoraConfig(rank=16, target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
+                      dropout_kernel="torch")
+    lora_plain = _acts(seq, lora=lora, attn_implementation="flex")
+    lora_tiled = _acts(seq, lora=lora, attn_implementation="flex", tiled_mlp=True)
+    # fused LoRA without dropout on the MLP inputs: x (once for gate/up), down's input, 3 ranks' outputs; dropout on:
+    # a bool mask per adapter (CUDA's) -- all replaced by the MLP's input
+    mlp_plain = 3 * 2 * INTER + 2 * H + 2 * INTER + 3 * 2 * 16 + (2 * H + INTER)
+    assert lora_plain["layers"] - lora_tiled["layers"] == pytest.approx(LAYERS * seq * (mlp_plain - 2 * H))
+
+
+def test_offload_moves_the_layer_inputs_to_cpu_memory():
+    seq = 131072
+    full = _acts(seq, "full", attn_implementation="flex", tiled_mlp=True)
+    offload = _acts(seq, "offload", attn_implementation="flex", tiled_mlp=True)
+    layer_input = seq * 2 * H
+    assert full["layers"] == LAYERS * layer_input and full["cpu"] == 0
+    assert offload["layers"] == 2 * layer_input and offload["cpu"] == LAYERS * layer_input  # 2 on the GPU at a time
+    assert offload["transient"] == full["transient"]  # the same layer recomputed in backward
+    from finetune.memory.estimate import recomputed_layers
+
+    assert recomputed_layers("offload", LAYERS) == recomputed_layers("full", LAYERS) == list(range(LAYERS))
+
+
+def test_sequence_parallel_halves_what_a_rank_holds_but_the_whole_rows_mask():
+    seq = 262144
+    one = _acts(seq, "full", attn_implementation="flex", tiled_mlp=True)
+    two = _acts(seq, "full", attn_implementation="flex", tiled_mlp=True, sequence_parallel=2)
+    assert two["tokens"] == seq / 2 and two["layers"] == one["layers"] / 2  # layer inputs: tokens / 2
+    assert two["logits"] < one["logits"] / 2 + 1 * GIB
+    blocks = (seq // 128) ** 2 * 16
+    assert two["other"] - blocks == pytest.approx((one["other"] - blocks) / 2)  # the block mask is the whole row's
+    # a packed sdpa mask is the whole sequence's on every rank: per rank the same bytes at any degree
+    sdpa1, sdpa2 = (_acts(8192, "none", attn_implementation="sdpa", sequence_parallel=n) for n in (1, 2))
+    mask = LAYERS * 8192 * 8192 * 2
+    assert sdpa2["layers"] - mask / 1 == pytest.approx((sdpa1["layers"] - mask) / 2 + LAYERS * 4096 * 2 * Q)
+    # past the 8 kv heads, every rank holds a whole kv head: k and v no longer shrink with the degree
+    kv16, kv8 = (_acts(seq, "none", attn_implementation="flex", tiled_mlp=True, sequence_parallel=n) for n in (16, 8))
+    assert kv8["layers"] / kv16["layers"] < 2
+
+
+def test_transient_is_the_largest_working_set():
+    """Short rows: the fused loss's chunk (and the head's fp32 weight gradient) is the largest transient; long rows
+    under checkpointing: one recomputed layer, attention's gradients and the residual stream's."""
+    short = _acts(2048, "none", attn_implementation="flex")
+    assert short["transient"] == short["loss_chunk"] > short["layer_backward"]
+    long = _acts(131072, "full", attn_implementation="flex", tiled_mlp=True)
+    assert long["transient"] == long["layer_backward"] > max(long["mlp_tile"], long["loss_chunk"])
+    assert long["total"] == long["kept"] + long["transient"]
+
+
+def test_estimate_run_resolves_auto_attention_for_the_gpu_when_asked():
+    from finetune.config import load_recipe
+    from finetune.ds_config import resolve_ds_config
+    from finetune.memory.estimate import estimate_run
+
+    recipe = load_recipe(os.path.join(ROOT, "recipes", "mistral7b_lora.yaml"),
+                         ["model.path=recipes/mistral7b_shape", "data.max_seq_len=32768", "train.micro_batch_size=1",
+                          "model.activation_checkpointing=full"])
+    assert recipe.model.attn_implementation == "auto" and recipe.model.tiled_mlp == "auto"
+    ds = resolve_ds_config(os.path.join(ROOT, "ds_configs", "zero2.json"), recipe, 2, 4096)
+    gpu, cpu = estimate_run(MISTRAL, recipe, ds, 2, cuda=True), estimate_run(MISTRAL, recipe, ds, 2, cuda=False)
+    assert (gpu["attention"], cpu["attention"], gpu["tiled_mlp"]) == ("flex", "sdpa", True)
+    assert cpu["total"] > gpu["total"]  # the packed mask of sdpa
+    assert gpu["total"] == max(gpu["backward"], gpu["init"], gpu["step"] + gpu["params"] + gpu["optimizer"]
+                               + gpu["buffers"])
+    assert gpu["backward"] == gpu["params"] + gpu["grads"] + gpu["optimizer"] + gpu["activations"] + \
+        gpu["transient"] + gpu["buffers"]
+
+
+def test_cli_memory_against_sequence_length(capsys):
+    out = _cli(capsys, "80", "512", "train.micro_batch_size=1", "--gpus", "8", "--seq-lens", "8192,131072")
+    rows = [line for line in out.splitlines() if line.startswith("| 8,192 |") or line.startswith("| 131,072 |")]
+    assert len(rows) == 2 and "memory against sequence length" in out
+    assert "| zero" in rows[1] and "tiled MLP on" in rows[1]  # the plan at 131K tiles the MLP
+    sweep = json.loads(_cli(capsys, "80", "512", "--seq-lens", "8192,131072", "--json"))["seq_lens"]
+    assert [r["seq_len"] for r in sweep] == [8192, 131072] and sweep[1]["total"] > sweep[0]["total"]
+    assert set(sweep[1]["terms"]) >= {"layers", "layer_backward", "attention_backward", "mlp_tile", "loss_chunk"}
+    # a long recipe sweeps by default, up to its max_seq_len; `none` keeps the plain output
+    default = _cli(capsys, "141", "512", "data.max_seq_len=65536", "train.micro_batch_size=1")
+    assert [line.split("|")[1].strip() for line in default.splitlines() if line.startswith("| ") and
+            line.split("|")[1].strip().replace(",", "").isdigit()] == ["8,192", "32,768", "65,536"]
+    assert "memory against" not in _cli(capsys, "141", "512", "data.max_seq_len=65536", "--seq-lens=none")

@@ -17,7 +17,8 @@ PACKAGE = os.path.join(ROOT, "finetune")
 MAX_LINES = 400
 
 # What each room may import from the package, besides itself (prefix match on dotted module names).
-MULTINODE_MAY_IMPORT = ("finetune.config", "finetune.dist", "finetune.shipped", "finetune.multinode")
+MULTINODE_MAY_IMPORT = ("finetune.config", "finetune.dist", "finetune.shipped", "finetune.multinode",
+                        "finetune.parallel.degree")  # torch-free, as finetune/parallel/__init__.py is
 DATA_MAY_NOT_IMPORT = ("finetune.model", "finetune.perf", "finetune.train", "finetune.optim", "finetune.loss",
                        "finetune.checkpoint", "finetune.export", "finetune.memory", "finetune.multinode",
                        "finetune.commands")

@@ -24,17 +24,19 @@ import torch
 from finetune import perf
 from finetune.config import ConfigError, Recipe, load_recipe
 from finetune.model import build_model
-from finetune.perf import liger
+from finetune.perf import attention, liger
 from finetune.perf.fused_lora import fused_class
 from finetune.perf.fused_loss import _LossHead
 from finetune.perf.fused_mlp import fused_forward
+from finetune.perf.tiled_mlp import tiled_forward
 from tests.helpers import ROOT, TINY_RECIPE
 
 STAGE2_FP32 = {"bf16": {"enabled": False}, "zero_optimization": {"stage": 2}}
 MODEL_NAMES = [s.name for s in perf.SPEEDUPS if not s.engine]
 ALL_ON = ["model.kernels=liger", "lora.enabled=true", "lora.fused=true", "lora.dropout=0.1",
-          "lora.dropout_kernel=triton", "model.fused_mlp=true", "model.fused_loss=true"]
-ALL_OFF = [f"{s.switch}={str(s.off).lower() if isinstance(s.off, bool) else s.off}" for s in perf.SPEEDUPS]
+          "lora.dropout_kernel=triton", "model.fused_mlp=true", "model.fused_loss=true", "model.attn_implementation=flex"]
+ALL_ON.append("model.tiled_mlp='on'")  # quoted: YAML reads a bare on/off as a boolean
+ALL_OFF = [f"{s.switch}={str(s.off).lower() if isinstance(s.off, bool) else repr(s.off)}" for s in perf.SPEEDUPS]
 CALLS = []  # the stand-in kernels' calls
 
 
@@ -103,13 +105,20 @@ def _marks(model) -> set[str]:
         if isinstance(m, (mm.MistralRMSNorm, mm.MistralAttention)) and "forward" in vars(m):
             found.add("liger")
         if isinstance(m, mm.MistralMLP) and "forward" in vars(m):
-            found.add("fused_mlp" if m.forward.__func__ is fused_forward else "liger")
+            forward = m.forward
+            if forward.__func__ is tiled_forward:  # the tiles run the forward the MLP had before
+                found.add("tiled_mlp")
+                forward = m._tiled_mlp_inner
+            if forward.__func__ is not type(m).forward:
+                found.add("fused_mlp" if forward.__func__ is fused_forward else "liger")
         if type(m) is fused_class():
             found.add("fused_lora")
             if m.seeded_dropout:
                 found.add("lora_dropout_kernel")
         if isinstance(m, _LossHead):
             found.add("fused_loss")
+    if attention.installed(model):
+        found.add("flex_attention")
     return found
 
 
@@ -144,9 +153,10 @@ def test_the_table_lists_every_switch_with_its_off_value():
     for s in perf.SPEEDUPS:
         section, key = s.switch.split(".")
         hint = hints[section][key]
-        assert s.off in (typing.get_args(hint) or (True, False)), s
+        assert isinstance(s.off, str) if hint is str else s.off in (typing.get_args(hint) or (True, False)), s
         assert perf.switch_value(Recipe(), s.switch) != s.off, f"{s.name} is off in the default recipe"
-    assert MODEL_NAMES == ["liger", "fused_lora", "lora_dropout_kernel", "fused_mlp", "fused_loss"]
+    assert MODEL_NAMES == ["liger", "fused_lora", "lora_dropout_kernel", "fused_mlp", "tiled_mlp", "fused_loss",
+                           "flex_attention"]
 
 
 def test_all_on_applies_each_in_order_and_the_model_carries_exactly_those(model_dir, usable):
@@ -163,7 +173,7 @@ def test_all_on_applies_each_in_order_and_the_model_carries_exactly_those(model_
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_a_switch_turned_off_removes_that_speed_up_only(model_dir, usable, name):
     s = next(s for s in perf.SPEEDUPS if s.name == name)
-    off = f"{s.switch}={str(s.off).lower() if isinstance(s.off, bool) else s.off}"
+    off = f"{s.switch}={str(s.off).lower() if isinstance(s.off, bool) else repr(s.off)}"
     model, recipe = _build(model_dir, *ALL_ON, off)
     applied = perf.apply(model, recipe, STAGE2_FP32)
     gone = {name, "lora_dropout_kernel"} if name == "fused_lora" else {name}  # the dropout kernels are fused LoRA's
@@ -171,6 +181,8 @@ def test_a_switch_turned_off_removes_that_speed_up_only(model_dir, usable, name)
     assert _marks(model) == set(applied)
     if name == "fused_loss":
         assert type(model.get_output_embeddings()) is torch.nn.Linear
+    if name == "flex_attention":
+        assert model.config._attn_implementation == "sdpa"
     if name == "fused_lora":
         from peft.tuners.lora.layer import Linear as LoraLinear
 
@@ -184,15 +196,16 @@ def test_what_this_machine_runs_by_default(model_dir):
 
     gpu = ["liger"] if liger.available() is None else []
     dropout = ["lora_dropout_kernel"] if lora_dropout.uses_kernels("auto") else []
-    for lora, expected in ((True, gpu + ["fused_lora", *dropout, "fused_mlp", "fused_loss"]),
-                           (False, gpu + ["fused_mlp", "fused_loss"])):
+    flex = ["flex_attention"] if attention.resolve("auto", "cuda" if torch.cuda.is_available() else "cpu") == "flex" else []
+    for lora, expected in ((True, gpu + ["fused_lora", *dropout, "fused_mlp", "fused_loss", *flex]),
+                           (False, gpu + ["fused_mlp", "fused_loss", *flex])):
         model, recipe = _build(model_dir, f"lora.enabled={str(lora).lower()}")
         applied = perf.apply(model, recipe, STAGE2_FP32)
         assert applied == expected and _marks(model) == set(expected)
         assert {r["name"] for r in perf.report(recipe, applied) if r["on"]} == set(expected)
     # an adapted down_proj keeps its LoRA path: no MLP to fuse
     model, recipe = _build(model_dir, "lora.enabled=true", "lora.target_modules=[q_proj,down_proj]")
-    assert perf.apply(model, recipe, STAGE2_FP32) == gpu + ["fused_lora", *dropout, "fused_loss"]
+    assert perf.apply(model, recipe, STAGE2_FP32) == gpu + ["fused_lora", *dropout, "fused_loss", *flex]
 
 
 def test_explicit_liger_without_cuda_is_an_error(model_dir):
@@ -210,7 +223,8 @@ def test_report_lists_every_speed_up_with_its_switch(model_dir):
     assert [r["name"] for r in records] == list(perf.NAMES)
     assert all(set(r) == {"name", "switch", "on"} for r in records)
     assert {r["switch"] for r in records} == {"model.kernels", "lora.fused", "lora.dropout_kernel", "model.fused_mlp",
-                                              "model.fused_loss", "optim.overflow_check"}
+                                              "model.tiled_mlp", "model.fused_loss", "model.attn_implementation",
+                                              "optim.overflow_check"}
     assert [r["name"] for r in records if r["on"]] == ["fused_mlp", "overflow_check"]
     assert not any(r["on"] for r in perf.report(recipe, []))
     with pytest.raises(ValueError, match="unknown speed-up"):
@@ -290,7 +304,7 @@ def test_two_models_in_one_process_are_independent(model_dir, usable):
     assert perf.apply(plain, plain_recipe, STAGE2_FP32) == []
     _assert_same(before, _library_state())
     _assert_plain(plain)
-    assert _marks(plain) == set()
+    assert _marks(plain) == set() and plain.config._attn_implementation == "sdpa"
     plain.train()
     optimizer = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=1e-2)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -324,7 +338,7 @@ def test_real_liger_kernels_per_model_on_cuda(model_dir):
     transformers' module nor a model built afterwards is touched."""
     plain, recipe_off = _build(model_dir, "lora.enabled=false", *ALL_OFF)
     fast, recipe = _build(model_dir, "lora.enabled=false", "model.kernels=liger", "model.fused_mlp=false",
-                          "model.fused_loss=false")
+                          "model.fused_loss=false", "model.attn_implementation=sdpa")
     before = _library_state()
     assert perf.apply(fast, recipe, STAGE2_FP32) == ["liger"]
     _assert_same(before, _library_state())
