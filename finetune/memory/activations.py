@@ -227,7 +227,25 @@ def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: in
         trained = 3 * h * i if lora is None else sum(lora["rank"] * sum(shapes[t]) for t in mlp_targets)
         mlp_tile = (min(tokens, mlp_tile_tokens()) * cal.MLP_TILE_TENSORS * d * i + tokens * d * h
                     + (d + 4) * trained)
-    layer_backward = tokens * (recompute + cal.RESIDUAL_GRADS * d * h) + attention_backward
+    # One layer's backward: its activations (rebuilt, if recomputed), the residual stream's gradients and attention's
+    # gradient buffers. Backward runs from the last layer to the first and frees each layer's saved tensors as it
+    # leaves it, so while layer j runs backward only layers < j still hold theirs: with frozen weights (LoRA) the
+    # peak is the largest of (what layers < j hold) + (layer j's backward). A fully trained layer's backward also
+    # builds its weights' gradients (and ZeRO-3 gathers the next layers' weights): one more layer's activations stand
+    # for that working set (docs/benchmarks/2026-11-30-2xh200-vs-peer.md).
+    grads = tokens * cal.RESIDUAL_GRADS * d * h + attention_backward
+    own = tokens * (recompute if lora is None else per_layer + (d * i if fused_mlp and recomputed else 0))
+    held_before = [0.0]
+    if lora is not None and checkpointing != "offload":  # offloaded inputs below are in CPU memory
+        chosen = set(recomputed_layers(checkpointing, layers, recompute_layers))
+        saved = [d * h if j in chosen else (first if j == 0 else per_layer) for j in range(layers)]
+        held_before = [tokens * (sum(saved[:j]) - saved_layers) for j in range(layers)]  # relative to all layers
+    layer_backward = max(max(held_before) + own + grads, grads)
+    # The caching allocator serves a multi-GiB request only from a free block as large: beside an untiled MLP's
+    # [tokens, intermediate] tensors of a long row, one such block stays reserved but unused (an untiled 262,144-token
+    # row ran out of memory with that much reserved and free).
+    largest = tokens * d * i
+    layer_backward += largest if not tiled_mlp and largest >= cal.LARGE_TENSOR_BYTES else 0
     out = {
         "tokens": tokens,
         "layers": tokens * saved_layers,

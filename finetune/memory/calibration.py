@@ -11,6 +11,10 @@ RESIDUAL_GRADS = 2
 """[tokens, hidden] gradient tensors alive while one decoder layer runs backward: the residual stream's gradient
 entering the layer and the one it is building."""
 
+LARGE_TENSOR_BYTES = 2**30
+"""From this size on, an activation tensor's request leaves one block of its size reserved and unused at the peak
+(the caching allocator cannot serve it from smaller freed blocks); counted for the untiled MLP's largest tensor."""
+
 ATTENTION_GRAD_SETS = 1
 """Sets of attention-core gradients (dq, dk, dv: the q/k/v shapes attention saved) alive at once in its backward.
 Under sequence parallelism one more set exists: the all-to-all's copies (activations.py adds it)."""

@@ -415,3 +415,37 @@ def test_auto_sequence_parallel_on_a_gpu_keeps_the_recipes_other_settings(monkey
     assert plan is None and chosen.train.sequence_parallel == "auto" and ds == zero3
     assert "warning: train.sequence_parallel=auto: with the recipe's checkpointing and micro-batch no degree fits " \
         "this GPU's 80 GiB, so it runs with 1" in capsys.readouterr().out
+
+
+# Long rows on one H200 (docs/benchmarks/2026-12-02-h200-long-context.md): Mistral-7B's shape, LoRA r16 at the
+# recipe's defaults with liger, one row of L tokens per step, ZeRO-2: L -> (checkpointing, recomputed layers, tiled
+# MLP, measured peak GiB allocated). 8K and 32K are what --deepspeed auto planned and ran; 262,144 ran with the tiled
+# MLP and 31 recomputed layers.
+LONG_ROWS_H200 = {8192: ("none", None, "off", 48.75), 32768: ("selective", 8, "off", 119.56),
+                  262144: ("selective", 31, "on", 95.79)}
+
+
+def _long_row(length: int, *extra: str):
+    return load_recipe(RECIPES["lora"], ["model.path=recipes/mistral7b_shape", "train.micro_batch_size=1",
+                                         "model.kernels=liger", f"data.max_seq_len={length}", *extra])
+
+
+@pytest.mark.parametrize("length", LONG_ROWS_H200)
+def test_long_row_estimates_within_ten_percent_of_the_h200_peaks(length):
+    checkpointing, recomputed, tiled, measured = LONG_ROWS_H200[length]
+    recipe = _long_row(length, f"model.activation_checkpointing={checkpointing}", f"model.tiled_mlp={tiled}",
+                       *([f"model.recompute_layers={recomputed}"] if recomputed else []))
+    ds = resolve_ds_config(os.path.join(ROOT, "ds_configs", "zero2.json"), recipe, 1, MISTRAL["hidden_size"])
+    estimated = estimate_run(MISTRAL, recipe, ds, 1, cuda=True)["total"] / GIB
+    assert estimated == pytest.approx(measured, rel=0.10), estimated
+
+
+def test_a_262k_row_gets_the_tiled_mlp_where_the_untiled_one_ran_out_of_memory():
+    """Untiled with every layer recomputed, a 262,144-token row ran out of memory on the H200 (the plan's estimate
+    had been under the card); the estimate now exceeds the 90% the plan may use, and the planner tiles the MLP."""
+    untiled = _long_row(262144, "model.activation_checkpointing=full", "model.tiled_mlp=off")
+    ds = resolve_ds_config(os.path.join(ROOT, "ds_configs", "zero2.json"), untiled, 1, MISTRAL["hidden_size"])
+    assert estimate_run(MISTRAL, untiled, ds, 1, cuda=True)["total"] / GIB > 0.9 * 139.8
+    plan = budget.plan_memory(_long_row(262144), MISTRAL, os.path.join(ROOT, "ds_configs", "zero2.json"), 1, 139.8,
+                              NODE_RAM, 1, cuda=True)
+    assert (plan.tiled_mlp, plan.sequence_parallel) == ("on", 1) and plan.estimated_gib <= 0.9 * 139.8
