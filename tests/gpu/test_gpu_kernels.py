@@ -24,7 +24,7 @@ TINY_DIR = os.path.dirname(TINY_CONFIG)
 
 
 def _recipe(model_dir: str, liger: bool, fused_loss: bool) -> Recipe:
-    return load_recipe(TINY_RECIPE, [f"model.path={model_dir}", "lora.enabled=false", "model.fused_mlp=false",
+    return load_recipe(TINY_RECIPE, [f"model.path={model_dir}", "lora.enabled=false", "model.fused_mlp=false", "model.attn_implementation=sdpa",
                                      f"model.kernels={'liger' if liger else 'none'}",
                                      f"model.fused_loss={str(fused_loss).lower()}"])
 
