@@ -133,6 +133,11 @@ FAULTS = [
     Fault("auto-without-budget", "--deepspeed auto on a machine without a GPU and no budget",
           r"set train.gpu_memory_gib \(GiB per GPU\), or pass --deepspeed ds_configs/zero3.json",
           lambda tmp, run: _prepare(run, "train.resume=auto", ds="auto")),
+    Fault("sp-degree", "a train.sequence_parallel that does not divide the ranks",
+          r"train.sequence_parallel=3 does not divide the 1 rank\(s\) of this run into groups: set it to one of 1, or "
+          r"launch a multiple of 3 ranks",
+          lambda tmp, run: _prepare(run, "train.sequence_parallel=3", "train.resume=auto"),
+          fix="a divisor of the number of GPUs (and of the model's 32 attention heads), or launch a multiple of it"),
     Fault("host-memory-short", "offloaded states larger than the node's CPU memory",
           r"offloads .* GiB per node to CPU memory .* but this node has .*set train.cpu_memory_gib",
           lambda tmp, run: _prepare(run, "train.cpu_memory_gib=0.001", "train.resume=auto",
