@@ -42,9 +42,11 @@ def mlp_tile_tokens() -> int:
 
 def tiled_mlp_on(setting: str, seq_len: int) -> bool:
     """model.tiled_mlp resolved as finetune/perf/tiled_mlp.py's `wanted`: `auto` = on when rows are longer than a tile."""
+    from finetune.perf.tiled_mlp import wanted  # lazy: that module imports torch
+
     if setting not in ("auto", "on", "off"):
         raise ValueError(f"model.tiled_mlp must be auto, on or off, got {setting!r}")
-    return setting == "on" or (setting == "auto" and seq_len > mlp_tile_tokens())
+    return wanted(setting, seq_len)
 
 
 def kv_share(cfg: dict[str, Any], sp: int) -> float:

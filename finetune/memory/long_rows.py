@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from finetune.config import ConfigError
 from finetune.memory.activations import mlp_tile_tokens
 from finetune.memory.shapes import dims, heads
+from finetune.parallel.degree import ATTENTION, check_heads
 
 
 def sequence_parallel_degrees(setting: int | str, cfg: dict[str, Any], world: int, ranks_per_node: int,
@@ -26,7 +28,7 @@ def sequence_parallel_degrees(setting: int | str, cfg: dict[str, Any], world: in
     (finetune/parallel/degree.py): with another model.attn_implementation, 1."""
     if isinstance(setting, int):
         return [setting]
-    if attn_implementation not in ("auto", "flex"):
+    if attn_implementation not in ATTENTION:
         return [1]
     valid = [n for n in range(2, world + 1) if world % n == 0 and compatible_with_heads(cfg, n)]
     inside = [n for n in valid if n <= ranks_per_node and ranks_per_node % n == 0]
@@ -36,8 +38,11 @@ def sequence_parallel_degrees(setting: int | str, cfg: dict[str, Any], world: in
 def compatible_with_heads(cfg: dict[str, Any], n: int) -> bool:
     """Whether n ranks can split the attention heads: every rank the same number of query heads, and key/value heads
     either split the same way or copied whole to n / kv_heads ranks each."""
-    q_heads, kv_heads = heads(cfg)
-    return q_heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)
+    try:
+        check_heads(n, *heads(cfg))
+    except ConfigError:
+        return False
+    return True
 
 
 def tiling_options(setting: str, seq_len: int) -> list[bool]:

@@ -19,7 +19,6 @@ exchanges the gradients the same way, activation checkpointing's recomputation i
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 import torch
 
@@ -129,19 +128,16 @@ def install(model, groups: Groups) -> int:
 
     register()
     register_all_to_all_group(groups.sequence_group)  # the all-to-all op finds its group by name
+    from finetune.perf.attention import name_attention
+
     state = Ulysses(groups)
     setattr(model, STATE, state)
-    configs: dict[int, Any] = {}
     count = 0
     for m in model.modules():
-        config = getattr(m, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation"):
-            configs[id(config)] = config
         if hasattr(m, "q_proj") and hasattr(m, "o_proj"):
             object.__setattr__(m, STATE, state)  # a plain attribute: no submodule, nothing for ZeRO to hook
             count += 1
-    for config in configs.values():
-        config._attn_implementation = KEY
+    name_attention(model, KEY)
     return count
 
 

@@ -27,12 +27,10 @@ from typing import Any
 
 from finetune.config import Recipe
 from finetune.ds_config import zero_stage
-from finetune.perf import liger, lora_dropout
-from finetune.perf import attention
+from finetune.perf import attention, liger, lora_dropout, tiled_mlp
 from finetune.perf.fused_lora import install_fused_lora
 from finetune.perf.fused_loss import install_fused_loss
 from finetune.perf.fused_mlp import install_fused_mlp
-from finetune.perf import tiled_mlp
 from finetune.perf.overflow_check import install_overflow_check
 
 

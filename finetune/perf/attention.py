@@ -232,16 +232,21 @@ def register() -> None:
 
 
 def install(model) -> int:
-    """Make this model (peft-wrapped or not) use `attention`: KEY on every config its modules carry. Returns how many
-    configs changed; transformers' sub-config setter carries it into their sub-configs."""
+    """Make this model (peft-wrapped or not) use `attention`. Returns how many configs changed."""
     register()
+    return name_attention(model, KEY)
+
+
+def name_attention(model, key: str) -> int:
+    """Set attention interface `key` on every config this model's modules carry (peft-wrapped or not), and on no
+    other model's; transformers' sub-config setter carries it into their sub-configs. Returns how many changed."""
     configs = {}
     for m in model.modules():
         config = getattr(m, "config", None)
         if config is not None and hasattr(config, "_attn_implementation"):
             configs[id(config)] = config
     for config in configs.values():
-        config._attn_implementation = KEY
+        config._attn_implementation = key
     return len(configs)
 
 
