@@ -9,7 +9,8 @@ position_ids[i] != position_ids[i-1] + 1 (a sample restarting at 0, the padding 
 the keys of its own document, causally, and, with a sliding window W, those with kv > q - W (W keys, itself
 included: masking_utils.sliding_window_overlay). One mask function (`document_mask`) is evaluated on both devices:
 by FlexAttention's block mask on CUDA, and as a dense boolean mask for scaled_dot_product_attention elsewhere
-(FlexAttention has no CPU backward), so the CPU tests check the CUDA path's mask logic.
+(FlexAttention has no CPU backward), so the CPU tests check the CUDA path's mask logic. Where that mask is plain
+causal (one document per row, no window inside it), the CUDA path runs SDPA's causal kernel instead (`plain_causal`).
 
 How it is installed: transformers' Mistral attention looks its function up by config._attn_implementation at forward
 time, and the model builds its mask through AttentionMaskInterface under the same key. KEY is added to both
@@ -116,7 +117,11 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     gqa = query.shape[1] != key.shape[1]
     if query.device.type == "cuda":
         block_mask = _block_mask(position_ids, length, query.device, sliding_window)
-        out = _flex()(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=gqa)
+        if block_mask is CAUSAL:  # the mask is plain causal: SDPA's causal kernel skips the same blocks, faster
+            out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                                                   enable_gqa=gqa)
+        else:
+            out = _flex()(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=gqa)
     else:
         docs = _docs(position_ids, length, query.device)
         mask = dense_mask(document_mask(docs, sliding_window), docs.shape[0], length, query.device)
@@ -188,14 +193,30 @@ def _same_positions(cached: torch.Tensor | None, version: int, position_ids: tor
             and bool(torch.equal(cached, position_ids)))
 
 
+CAUSAL = "causal"
+"""_block_mask's answer when every row is one document and the window (if any) spans the row: the mask is exactly
+is_causal's, and SDPA's causal flash kernel runs it faster than FlexAttention over the causal block mask."""
+
+
+def plain_causal(docs: torch.Tensor, window: int | None, length: int) -> bool:
+    """Whether document_mask(docs, window) over `length` tokens is the plain causal mask: one document in every row
+    (a padded tail counts as a document of its own) and no key outside the window."""
+    return (window is None or window >= length) and not bool(docs.any())
+
+
 def _block_mask(position_ids: torch.Tensor | None, length: int, device: torch.device, window: int | None):
+    """The block mask of this forward, or CAUSAL; one per forward (every layer and recomputation asks again)."""
     if not torch.compiler.is_compiling() and _CACHE:
         c = _CACHE[0]
         if (c.length, c.device, c.window) == (length, device, window) and _same_positions(
                 c.position_ids, c.version, position_ids):
             return c.block_mask
     docs = _docs(position_ids, length, device)
-    block_mask = _create_block_mask()(document_mask(docs, window), docs.shape[0], None, length, length, device=device)
+    if not torch.compiler.is_compiling() and plain_causal(docs, window, length):  # one host sync per forward
+        block_mask = CAUSAL
+    else:
+        block_mask = _create_block_mask()(document_mask(docs, window), docs.shape[0], None, length, length,
+                                          device=device)
     if not torch.compiler.is_compiling():
         version = position_ids._version if position_ids is not None else 0
         _CACHE[:] = [_Cached(position_ids, version, length, device, window, block_mask)]

@@ -58,15 +58,23 @@ def _run(fn, inputs, grad_out):
     return [out.float(), q.grad.float(), k.grad.float(), v.grad.float()]
 
 
-@pytest.mark.parametrize("length,window", [(8192, WINDOW), (8192, None), (8192 - 37, WINDOW)])
-def test_compiled_flex_equals_sdpa_with_its_mask_in_bf16(length, window):
-    """Output and q/k/v gradients: flex in bf16 is as close to an fp32 reference as sdpa in bf16 is (both against
-    the same fp32 computation over the same mask). A length off the block size runs FlexAttention's partial block."""
+PACKED = (3000, 2500, 1700)
+
+
+@pytest.mark.parametrize("length,window,samples", [(8192, WINDOW, PACKED), (8192, None, PACKED),
+                                                   (8192 - 37, WINDOW, PACKED), (8192, None, (8192,)),
+                                                   (8192, WINDOW, (8192,))])
+def test_compiled_flex_equals_sdpa_with_its_mask_in_bf16(length, window, samples):
+    """Output and q/k/v gradients: zerotune's attention in bf16 is as close to an fp32 reference as sdpa in bf16 is
+    (both against the same fp32 computation over the same mask). A length off the block size runs FlexAttention's
+    partial block; one whole-row document without a window runs SDPA's causal kernel, with a window FlexAttention."""
     from transformers.models.mistral.modeling_mistral import MistralAttention
 
     config = _config(window)
     module = MistralAttention(config, 0).cuda()
-    position_ids = _positions(length, (3000, 2500, 1700))
+    position_ids = _positions(length, samples)
+    causal = attention._block_mask(position_ids, length, position_ids.device, window) is attention.CAUSAL
+    assert causal == (samples == (length,) and window is None)
     g = torch.Generator(device="cuda").manual_seed(0)
     inputs = [torch.randn(1, h, length, 128, device="cuda", generator=g) for h in (8, 2, 2)]
     grad_out = torch.randn(1, length, 8, 128, device="cuda", generator=g)

@@ -53,8 +53,10 @@ def test_offload_keeps_layer_inputs_in_host_memory_with_the_same_gradients():
     layer_input = TOKENS * HIDDEN * 2
     assert after_forward["full"] - after_forward["offload"] >= 0.9 * LAYERS * layer_input, after_forward
     assert torch.equal(results["full"][0], results["offload"][0])
-    for name, grad in results["full"][1].items():  # CUDA's embedding backward adds in no fixed order
-        torch.testing.assert_close(results["offload"][1][name], grad, rtol=1e-2, atol=1e-5, msg=name)
+    # CUDA's embedding and attention backward add in no fixed order, in bf16: compare each gradient as a whole
+    for name, grad in results["full"][1].items():
+        err = (results["offload"][1][name].float() - grad.float()).norm() / grad.float().norm().clamp_min(1e-12)
+        assert err < 1e-2, (name, err.item())
 
 
 def test_tiled_mlp_lowers_the_peak_and_keeps_the_bf16_gradients():

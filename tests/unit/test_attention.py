@@ -207,3 +207,19 @@ def _no_cache(make) -> dict:
     import inspect
 
     return {"cache" if "cache" in inspect.signature(make).parameters else "past_key_values": None}
+
+
+def test_plain_causal_only_for_one_document_per_row_inside_the_window():
+    """The CUDA path hands a mask that is exactly is_causal's to SDPA's causal kernel, and every other to
+    FlexAttention: one document in each row, and a window (if any) no shorter than the row."""
+    one = attention.document_ids(torch.arange(12).expand(2, -1))
+    assert attention.plain_causal(one, None, 12) and attention.plain_causal(one, 12, 12)
+    assert not attention.plain_causal(one, 11, 12)
+    assert not attention.plain_causal(attention.document_ids(POSITIONS), None, POSITIONS.shape[1])
+    padded = torch.tensor([[*range(10), 0, 1]])  # a padded tail is a document of its own
+    assert not attention.plain_causal(attention.document_ids(padded), None, 12)
+    mixed = torch.stack([torch.arange(12), torch.tensor([*range(6), *range(6)])])
+    assert not attention.plain_causal(attention.document_ids(mixed), None, 12)
+    causal = attention.dense_mask(attention.document_mask(one, None), 2, 12, torch.device("cpu"))
+    assert torch.equal(causal, torch.ones(12, 12, dtype=torch.bool).tril().expand(2, 1, 12, 12))
+
