@@ -73,6 +73,11 @@ def init(timeout_minutes: float = 30.0) -> None:
         if world_size() > 1:
             raise RuntimeError("WORLD_SIZE > 1 but MASTER_PORT is not set: start the job with `deepspeed` or `zerotune launch`")
         os.environ["MASTER_PORT"] = str(free_port())
+    if deepspeed.get_accelerator().device_name() == "cpu" and (local := _local_size()):
+        # DeepSpeed's CPU accelerator counts its devices from LOCAL_SIZE, which only DeepSpeed's own launcher sets;
+        # without it each device_count() runs `numactl --hardware` in a subprocess, and ZeRO-3 asks once per
+        # gradient bucket (a fork of the whole training process each time).
+        os.environ.setdefault("LOCAL_SIZE", local)
     with logs.quiet_stdout():  # DeepSpeed prints its CPU shm op's build line on every rank
         deepspeed.init_distributed(
             dist_init_required=True,
@@ -84,6 +89,15 @@ def init(timeout_minutes: float = 30.0) -> None:
         accelerator.set_device(local_rank())
     else:
         _unlink_shm_workspace()
+
+
+def _local_size() -> str | None:
+    """How many ranks this node runs, from the launcher's variables (torchrun's, OpenMPI's), or 1 for a lone process;
+    None when no launcher said."""
+    for name in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if os.environ.get(name):
+            return os.environ[name]
+    return "1" if world_size() == 1 else None
 
 
 def shm_workspace_path(rank_: int) -> str:
