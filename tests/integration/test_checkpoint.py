@@ -1,6 +1,6 @@
 """Exact resume and verified export, on 2 ranks with real engines (CPU, gloo, loopback).
 
-- 8 steps straight vs 4 steps, stop, resume to 8: steps 5-8 bit-identical (ZeRO-2/3, LoRA/full, fp32/bf16).
+- 6 steps straight vs 3 steps, stop, resume to 6: steps 4-6 bit-identical (ZeRO-2/3, LoRA/full, fp32/bf16).
 - Saved at step 6 on 2 ranks, resumed on 1 and on 3; saved on 1, resumed on 2 (ZeRO-2/3, LoRA/full, fp32): the
   loaded fp32 weights and Adam moments equal the saved ones exactly, the losses the straight run's within 1e-6.
 - The export of a ZeRO-3 run (HF folder for full, adapter and merged model for LoRA, in-training and offline
@@ -20,14 +20,14 @@ from tests.helpers import SMALL_VOCAB, ROOT, TINY_RECIPE, ds_variant, run_ranks,
 
 
 CASES = [(stage, lora, bf16) for stage in (2, 3) for lora in (False, True) for bf16 in (False, True)]
-STEPS, HALF = 8, 4  # the straight runs' steps; the interrupted runs stop (and save) after HALF, then resume
+STEPS, HALF = 6, 3  # the straight runs' steps; the interrupted runs stop (and save) after HALF, then resume
 
 # Another world size or ZeRO stage, through the checkpoint's portable/ state: fp32, lora.dropout=0 (a dropout mask
 # is drawn per rank, so no mask matches across world sizes), micro-batch 1 and 6 rows per step on every world size
 # (1 rank x accumulation 6, 2 x 3, 3 x 2), so that every straight run trains on the same rows.
 PORTABLE = [(stage, lora) for stage in (2, 3) for lora in (False, True)]
 RESHARDS = [(2, 1), (2, 3), (1, 2)]  # (saved on, resumed on)
-P_STEPS, P_SAVED, ROWS = 12, 6, 6
+P_STEPS, P_SAVED, ROWS = 9, 6, 6
 LOSS_BOUND = 1e-6  # vs the straight run on the resumed world size (float sums differ in order across world sizes)
 
 
