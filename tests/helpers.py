@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from finetune.dist import free_port  # noqa: F401  (tests import it from here)
+from tests.fixtures.zygote import ALLOWED as ZYGOTE_ALLOWED
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_BIN = os.path.dirname(sys.executable)
@@ -88,43 +94,34 @@ def ds_variant(base: str, dest: str, bf16: bool = True, **zero: object) -> str:
 
 
 def run_ranks(world: int, script: str, args: list[str], timeout: int = 600, env: dict | None = None,
-              launcher: bool = False) -> subprocess.CompletedProcess:
+              launcher: bool = False, fork: bool = True) -> subprocess.CompletedProcess:
     """`world` ranks of `script` on loopback; raises AssertionError with their output when one fails.
 
     By default the ranks are started here with the rendezvous variables DeepSpeed's launcher would set (RANK,
-    LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, `--local_rank=K`): the launcher's own two processes, each importing
-    DeepSpeed before a rank starts, cost seconds per launch and are not what these tests test. launcher=True goes
-    through the real `deepspeed --num_gpus N` (the tests of the user's command line)."""
+    LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, `--local_rank=K`; a lone rank gets no --local_rank, as `python script`
+    has none), forked by the tests' rank starter (tests/fixtures/zygote.py) where the environment allows: the
+    launcher's own two processes, and each rank's import of DeepSpeed, transformers and peft, cost seconds per launch
+    and are not what these tests test. launcher=True goes through the real `deepspeed --num_gpus N` (the tests of the
+    user's command line). fork=False starts every rank as a fresh interpreter."""
     env = env or loopback_env()
     port = str(free_port())
-    if world == 1 and not launcher:
-        # One thread, as every rank has (loopback_env): the tiny models' ops are too small to gain from more, and the
-        # other pytest worker is using the other core.
-        env = dict(env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_PORT=port)
-        cmd = [sys.executable, script, *args]
-    elif launcher:
-        cmd = [*deepspeed_command(), "--num_gpus", str(world), "--master_addr", "127.0.0.1",
-               "--master_port", port, script, *args]
-    else:
-        return _spawn_ranks(world, script, args, timeout, dict(env, MASTER_PORT=port))
+    if not launcher:
+        return _spawn_ranks(world, script, args, timeout, dict(env, MASTER_PORT=port), fork)
+    cmd = [*deepspeed_command(), "--num_gpus", str(world), "--master_addr", "127.0.0.1", "--master_port", port,
+           script, *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
 
 
-def _spawn_ranks(world: int, script: str, args: list[str], timeout: int, env: dict) -> subprocess.CompletedProcess:
+def _spawn_ranks(world: int, script: str, args: list[str], timeout: int, env: dict,
+                 fork: bool = True) -> subprocess.CompletedProcess:
     """Start `world` ranks as the deepspeed launcher does; when one fails the others are stopped (they would wait in
     a collective until gloo's timeout). stdout/stderr: rank 0's, then rank 1's, ..."""
     with tempfile.TemporaryDirectory() as logs:
-        procs, files = [], []
-        for rank in range(world):
-            out, err = open(os.path.join(logs, f"{rank}.out"), "w+"), open(os.path.join(logs, f"{rank}.err"), "w+")
-            files.append((out, err))
-            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                            LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
-            procs.append(subprocess.Popen([sys.executable, "-u", script, f"--local_rank={rank}", *args], cwd=ROOT,
-                                          env=rank_env, stdout=out, stderr=err, start_new_session=True))
+        files = [(os.path.join(logs, f"{rank}.out"), os.path.join(logs, f"{rank}.err")) for rank in range(world)]
+        procs = start_ranks(world, script, args, env, files, fork)
         deadline, stop_at = time.monotonic() + timeout, None
         while any(p.poll() is None for p in procs) and time.monotonic() < (stop_at or deadline):
             if stop_at is None and any(p.poll() not in (None, 0) for p in procs):
@@ -133,13 +130,13 @@ def _spawn_ranks(world: int, script: str, args: list[str], timeout: int, env: di
         timed_out = stop_at is None and any(p.poll() is None for p in procs)
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # a forked rank may end (and be reaped) meanwhile
+                    os.killpg(p.pid, signal.SIGKILL)
             p.wait()
         texts = []
         for out, err in files:
-            out.seek(0), err.seek(0)
-            texts.append((out.read(), err.read()))
-            out.close(), err.close()
+            with open(out) as o, open(err) as e:
+                texts.append((o.read(), e.read()))
     cmd = [sys.executable, script, *args]
     stdout, stderr = "".join(t[0] for t in texts), "".join(t[1] for t in texts)
     if timed_out:
@@ -149,6 +146,134 @@ def _spawn_ranks(world: int, script: str, args: list[str], timeout: int, env: di
         raise AssertionError(f"{world} ranks of {' '.join(cmd)} failed (exit codes {codes}):\n"
                              + "\n".join(f"--- rank {r}:\n{o[-3000:]}\n{e[-6000:]}" for r, (o, e) in enumerate(texts)))
     return subprocess.CompletedProcess(cmd, 0, stdout, stderr)
+
+
+def start_ranks(world: int, script: str, args: list[str], env: dict, outputs: list[tuple[str, str]],
+                fork: bool = True) -> list:
+    """Start `world` ranks of `script` as the deepspeed launcher does (`--local_rank=K`, RANK, LOCAL_RANK, WORLD_SIZE,
+    LOCAL_WORLD_SIZE; a lone rank as `python script args`), each in a session of its own, rank K writing to the files
+    outputs[K] (stdout, stderr; the same path twice for one stream), and return them running: Popen objects, or ranks
+    forked by the rank starter (the same pid, poll, wait, kill and returncode)."""
+    procs = []
+    for rank in range(world):
+        if world == 1:
+            rank_env, argv = dict(env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"), [script, *args]
+        else:
+            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                            LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+            argv = [script, f"--local_rank={rank}", *args]
+        out, err = outputs[rank]
+        for path in (out, err):
+            open(path, "a").close()
+        forked = zygote(rank_env).start(argv, rank_env, ROOT, out, err) if fork else None
+        if forked is None:
+            with open(out, "a") as o, open(err, "a") as e:
+                forked = subprocess.Popen([sys.executable, "-u", *argv], cwd=ROOT, env=rank_env, stdout=o,
+                                          stderr=subprocess.STDOUT if err == out else e, start_new_session=True)
+        procs.append(forked)
+    return procs
+
+
+class _ForkedRank:
+    """A rank the rank starter forked: the part of Popen's interface _spawn_ranks uses (pid, poll, wait, returncode).
+    Its end comes as a line on the connection; a starter that is gone counts as a kill."""
+
+    def __init__(self, conn: socket.socket, pid: int, buffered: bytes):
+        self.conn, self.pid, self.returncode, self._buffer = conn, pid, None, buffered
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            while b"\n" not in self._buffer and select.select([self.conn], [], [], 0)[0]:
+                chunk = self.conn.recv(4096)
+                if not chunk:
+                    self._buffer += json.dumps({"exit": -signal.SIGKILL}).encode() + b"\n"
+                self._buffer += chunk
+            if b"\n" in self._buffer:
+                self.returncode = json.loads(self._buffer.split(b"\n", 1)[0])["exit"]
+                self.conn.close()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
+            select.select([self.conn], [], [], 0.5)
+        return self.returncode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+class _RankStarter:
+    """The client of one tests/fixtures/zygote.py, started with `env`: start() returns a forked rank, or None where
+    the starter refuses the environment or is off (ZEROTUNE_TEST_ZYGOTE=0, or it failed to start) and the caller
+    starts a fresh interpreter."""
+
+    def __init__(self, env: dict) -> None:
+        self.proc, self.socket_path = None, None
+        if os.environ.get("ZEROTUNE_TEST_ZYGOTE", "1") == "0":
+            return
+        folder = tempfile.mkdtemp(prefix="zerotune-zygote-")
+        self.socket_path = os.path.join(folder, "socket")
+        with open(os.path.join(folder, "zygote.log"), "w") as log:
+            self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "fixtures", "zygote.py"),
+                                          self.socket_path], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.PIPE, stderr=log, text=True)
+        if self.proc.stdout.readline().strip() != "ready":
+            print(f"the tests' rank starter did not start (see {log.name}): ranks start as fresh processes",
+                  file=sys.stderr)
+            self.proc = None
+            return
+        atexit.register(self.stop)
+
+    def start(self, argv: list[str], env: dict, cwd: str, stdout: str, stderr: str) -> _ForkedRank | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(self.socket_path)
+        request = {"argv": argv, "env": env, "cwd": cwd, "stdout": stdout, "stderr": stderr}
+        conn.sendall((json.dumps(request) + "\n").encode())
+        buffered = b""
+        while b"\n" not in buffered:
+            chunk = conn.recv(4096)
+            if not chunk:
+                conn.close()
+                return None
+            buffered += chunk
+        line, rest = buffered.split(b"\n", 1)
+        answer = json.loads(line)
+        if "pid" not in answer:
+            conn.close()
+            return None
+        return _ForkedRank(conn, answer["pid"], rest)
+
+    def stop(self) -> None:
+        """It takes no new ranks and ends once the ranks it forked have ended and been reported."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+        if self.socket_path:
+            shutil.rmtree(os.path.dirname(self.socket_path), ignore_errors=True)
+
+
+_STARTERS: dict[tuple, _RankStarter] = {}  # by environment, the per-rank variables left out; the latest used last
+_STARTERS_LOCK = threading.Lock()  # tests start ranks from threads too (test_chat.py)
+MAX_STARTERS = 2
+
+
+def zygote(env: dict) -> _RankStarter:
+    """The rank starter (tests/fixtures/zygote.py) for ranks with environment `env`, started on first use in this
+    process (a pytest worker). The environment drifts during a session (a test's logs.setup() sets TORCH_CPP_LOG_LEVEL
+    in this process, ...), and one starter serves only the environment it was started with: a new one is started for
+    a new environment, and the least recently used beyond MAX_STARTERS is stopped."""
+    key = tuple(sorted((k, v) for k, v in env.items() if k not in ZYGOTE_ALLOWED))
+    with _STARTERS_LOCK:
+        starter = _STARTERS.pop(key, None) or _RankStarter({k: v for k, v in env.items() if k not in ZYGOTE_ALLOWED})
+        _STARTERS[key] = starter
+        while len(_STARTERS) > MAX_STARTERS:
+            _STARTERS.pop(next(iter(_STARTERS))).stop()
+    return starter
 
 
 def train_cases(world: int, cases: list[dict], tmp) -> dict:

@@ -23,7 +23,6 @@ import re
 import shlex
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -31,7 +30,7 @@ import pytest
 
 from finetune.checkpoint import MARKER, complete_checkpoints
 from tests.fixtures.sshd_fixture import missing_binaries
-from tests.helpers import ROOT, SMALL_VOCAB, TINY_RECIPE, ds_variant, free_port, loopback_env, save_tiny_model
+from tests.helpers import ROOT, SMALL_VOCAB, TINY_RECIPE, ds_variant, free_port, loopback_env, save_tiny_model, start_ranks
 from tests.integration.test_launcher import _rank_pid, cluster, hostfile, launch, netns  # noqa: F401
 
 # pdsh puts `host: ` before each line of a rank.
@@ -94,15 +93,11 @@ class _Job:
         return {"code": code, "log": "".join(self.lines), "pdsh": self.pdsh}
 
 
-def _spawn(args: list[str], log) -> list[subprocess.Popen]:
-    """2 ranks of finetune/main.py started as DeepSpeed's launcher would (tests/helpers.py run_ranks)."""
-    env = loopback_env(MASTER_PORT=str(free_port()))
-    procs = []
-    for rank in range(2):
-        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
-        with open(f"{log}{rank}", "w") as out:
-            procs.append(subprocess.Popen([sys.executable, "-u", "finetune/main.py", f"--local_rank={rank}", *args],
-                                          cwd=ROOT, env=rank_env, stdout=out, stderr=subprocess.STDOUT))
+def _spawn(args: list[str], log) -> list[int]:
+    """2 ranks of finetune/main.py started as DeepSpeed's launcher would (tests/helpers.py start_ranks); their exit
+    codes."""
+    procs = start_ranks(2, "finetune/main.py", args, loopback_env(MASTER_PORT=str(free_port())),
+                        [(f"{log}{rank}", f"{log}{rank}") for rank in range(2)])
     try:
         return [p.wait(timeout=300) for p in procs]
     finally:

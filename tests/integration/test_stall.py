@@ -14,8 +14,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import psutil
@@ -23,7 +21,7 @@ import pytest
 
 from finetune.checkpoint import complete_checkpoints
 from tests.fixtures.sshd_fixture import missing_binaries
-from tests.helpers import ROOT, SMALL_VOCAB, free_port, loopback_env, save_tiny_model
+from tests.helpers import ROOT, SMALL_VOCAB, free_port, loopback_env, save_tiny_model, start_ranks
 from tests.integration.test_launcher import _has_port, _rank_pid, cluster, hostfile, launch, netns, tiny_args  # noqa: F401
 
 TIMEOUT_S = 8
@@ -34,22 +32,15 @@ ARGS = ["--deepspeed", os.path.join(ROOT, "ds_configs", "zero3.json"), "--config
 PHASES = "data|forward|backward|optimizer step|step sums|eval|save"
 
 
-def _spawn(world: int, args: list[str], logs, **env: str) -> list[subprocess.Popen]:
-    """`world` ranks of finetune/main.py started as DeepSpeed's launcher would (tests/helpers.py run_ranks), left
+def _spawn(world: int, args: list[str], logs, **env: str) -> list:
+    """`world` ranks of finetune/main.py started as DeepSpeed's launcher would (tests/helpers.py start_ranks), left
     running: the test stops, watches and kills them itself."""
-    base = loopback_env(MASTER_PORT=str(free_port()), **env)
-    procs = []
-    for rank in range(world):
-        rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-        out = open(logs / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, "-u", "finetune/main.py", f"--local_rank={rank}", *args],
-                                      cwd=ROOT, env=rank_env, stdout=out, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
-        out.close()
-    return procs
+    logs = [str(logs / f"rank{rank}.log") for rank in range(world)]
+    return start_ranks(world, "finetune/main.py", args, loopback_env(MASTER_PORT=str(free_port()), **env),
+                       [(log, log) for log in logs])
 
 
-def _end(procs: list[subprocess.Popen]) -> None:
+def _end(procs: list) -> None:
     for p in procs:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
