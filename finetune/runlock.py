@@ -36,6 +36,10 @@ NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
 """flock's answers on a file system that does not support it (NFS without its lock service, some FUSE mounts)."""
 RECORD_WAIT_S = 2.0
 """How long to wait for a record being written: a run that has just created the file writes it right after."""
+RELEASE_WAIT_S = 30.0
+"""How long a flock may stay held after its holder has exited: the kernel drops it when the last thread of the
+process has closed its files, and a thread killed in the middle of a write (kill -9 during a save) finishes that
+write first, while the process already shows as exited."""
 
 
 @dataclass
@@ -91,13 +95,17 @@ def acquire(output_dir: str) -> RunLock:
     path = os.path.join(folder, LOCK_FILE)
     try:
         os.makedirs(folder, exist_ok=True)
-        for _ in range(10):  # each retry follows a holder that released in between: it ends quickly
-            lock = _try_take(output_dir, folder, path, created)
+        # A retry follows a holder that released in between (it ends at once), or one that has exited and whose
+        # flock the kernel has not dropped yet (RELEASE_WAIT_S).
+        deadline = time.monotonic() + RELEASE_WAIT_S
+        for attempt in range(1_000_000):
+            lock = _try_take(output_dir, folder, path, created, deadline)
             if lock is not None:
                 break
-        else:
-            raise ConfigError(f"train.output_dir {output_dir!r}: could not take its lock {path}; is another run "
-                              f"starting and stopping there?")
+            if attempt >= 10 and time.monotonic() > deadline:
+                raise ConfigError(f"train.output_dir {output_dir!r}: could not take its lock {path}; is another run "
+                                  f"starting and stopping there?")
+            time.sleep(0.05 if attempt >= 10 else 0)
     except OSError as e:
         if created:
             _remove_empty(folder)
@@ -117,8 +125,9 @@ def release_all() -> None:
 atexit.register(release_all)
 
 
-def _try_take(output_dir: str, folder: str, path: str, created: bool) -> RunLock | None:
-    """The lock, or None when the file changed under us (retry), or ConfigError when a live run holds it."""
+def _try_take(output_dir: str, folder: str, path: str, created: bool, deadline: float) -> RunLock | None:
+    """The lock, or None when the file changed under us or its exited holder's flock is not dropped yet (retry), or
+    ConfigError when a live run holds it."""
     try:
         fd, new = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
     except FileExistsError:
@@ -133,7 +142,10 @@ def _try_take(output_dir: str, folder: str, path: str, created: bool) -> RunLock
             os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
                 raise
-            raise ConfigError(_held_message(output_dir, path, _read_record(path, wait=True))) from None
+            record = _read_record(path, wait=True)
+            if record and _exited(record) and time.monotonic() < deadline:
+                return None
+            raise ConfigError(_held_message(output_dir, path, record)) from None
         # A file system without flock at all: the record alone decides, below.
     if not _same_file(fd, path):  # the holder unlinked the file between our open and our flock
         os.close(fd)
@@ -178,6 +190,14 @@ def _gone(record: dict[str, Any], heartbeat: float) -> str | None:
     if record.get("proc_start") is not None and start is not None and start != record["proc_start"]:
         return f"PID {pid} is now another process"
     return None
+
+
+def _exited(record: dict[str, Any]) -> bool:
+    """The record's holder ran on this host and its process has exited (or is a zombie)."""
+    if record.get("host") != socket.gethostname() or not isinstance(record.get("pid"), int):
+        return False
+    state, _ = _proc_stat(record["pid"])
+    return state in ("gone", "Z", "X")
 
 
 def _held_message(output_dir: str, path: str, record: dict[str, Any] | None) -> str:

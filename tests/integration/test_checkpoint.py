@@ -315,7 +315,9 @@ def test_kill_9_then_resume_continues_the_uninterrupted_curve(runs, tmp_path, mo
     assert last is not None
     resumed_from = int(last.rsplit("_", 1)[1])
     assert resumed_from == 2 if moment == "saving" else resumed_from >= 4
-    run_ranks(2, "finetune/main.py", args + ["train.resume=auto"], timeout=600)
+    # Fresh interpreters, as a scheduler's retry starts them (seconds later): the lock of a rank killed in the middle
+    # of a write is dropped once that write has ended (finetune/runlock.py: RELEASE_WAIT_S).
+    run_ranks(2, "finetune/main.py", args + ["train.resume=auto"], timeout=600, fork=False)
     metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert [m["loss"] for m in metrics] == straight

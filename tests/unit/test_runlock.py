@@ -5,12 +5,14 @@ tests/integration/test_run_folder.py."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -189,3 +191,34 @@ def test_a_file_system_without_flock_falls_back_to_the_record(tmp_path, monkeypa
     _write_lock(folder, host=socket.gethostname(), pid=os.getppid(), started="earlier", proc_start=start)
     with pytest.raises(ConfigError, match=f"PID {os.getppid()}, started earlier"):
         runlock.acquire(str(folder))
+
+
+def test_the_flock_of_a_holder_that_has_exited_is_waited_for_then_taken_over(tmp_path, monkeypatch, capsys):
+    """After kill -9 the kernel drops a flock when the holder's last thread has closed its files (one in the middle of
+    a write finishes it first), while its PID already shows as exited: the next run waits for the flock up to
+    RELEASE_WAIT_S and takes over; a flock still held after that is refused, naming the holder."""
+    folder = tmp_path / "run"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    record = dict(host=socket.gethostname(), pid=dead.pid, started="earlier", boot_id=runlock._boot_id(), proc_start=1)
+
+    def held_by_the_exited_holder() -> int:
+        _write_lock(folder, **record)
+        fd = os.open(folder / runlock.LOCK_FILE, os.O_RDWR)  # another open file than acquire's: they exclude
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return fd
+
+    fd = held_by_the_exited_holder()
+    threading.Timer(1.0, os.close, [fd]).start()
+    start = time.monotonic()
+    runlock.acquire(str(folder)).release()
+    assert time.monotonic() - start >= 0.9
+    assert f"PID {dead.pid} has exited" in capsys.readouterr().out
+
+    monkeypatch.setattr(runlock, "RELEASE_WAIT_S", 0.5)
+    fd = held_by_the_exited_holder()
+    try:
+        with pytest.raises(ConfigError, match=f"in use by another run .host {socket.gethostname()}, PID {dead.pid}, "):
+            runlock.acquire(str(folder))
+    finally:
+        os.close(fd)
