@@ -98,14 +98,11 @@ def acquire(output_dir: str) -> RunLock:
         # A retry follows a holder that released in between (it ends at once), or one that has exited and whose
         # flock the kernel has not dropped yet (RELEASE_WAIT_S).
         deadline = time.monotonic() + RELEASE_WAIT_S
-        for attempt in range(1_000_000):
-            lock = _try_take(output_dir, folder, path, created, deadline)
-            if lock is not None:
-                break
-            if attempt >= 10 and time.monotonic() > deadline:
+        while (lock := _try_take(output_dir, folder, path, created, deadline)) is None:
+            if time.monotonic() > deadline:
                 raise ConfigError(f"train.output_dir {output_dir!r}: could not take its lock {path}; is another run "
                                   f"starting and stopping there?")
-            time.sleep(0.05 if attempt >= 10 else 0)
+            time.sleep(0.05)
     except OSError as e:
         if created:
             _remove_empty(folder)
@@ -143,7 +140,8 @@ def _try_take(output_dir: str, folder: str, path: str, created: bool, deadline: 
             if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
                 raise
             record = _read_record(path, wait=True)
-            if record and _exited(record) and time.monotonic() < deadline:
+            if record and record.get("host") == socket.gethostname() and _gone(record, 0.0) and \
+                    time.monotonic() < deadline:  # its holder has exited here; the kernel drops the flock soon
                 return None
             raise ConfigError(_held_message(output_dir, path, record)) from None
         # A file system without flock at all: the record alone decides, below.
@@ -190,14 +188,6 @@ def _gone(record: dict[str, Any], heartbeat: float) -> str | None:
     if record.get("proc_start") is not None and start is not None and start != record["proc_start"]:
         return f"PID {pid} is now another process"
     return None
-
-
-def _exited(record: dict[str, Any]) -> bool:
-    """The record's holder ran on this host and its process has exited (or is a zombie)."""
-    if record.get("host") != socket.gethostname() or not isinstance(record.get("pid"), int):
-        return False
-    state, _ = _proc_stat(record["pid"])
-    return state in ("gone", "Z", "X")
 
 
 def _held_message(output_dir: str, path: str, record: dict[str, Any] | None) -> str:

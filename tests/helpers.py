@@ -176,20 +176,28 @@ def start_ranks(world: int, script: str, args: list[str], env: dict, outputs: li
 
 class _ForkedRank:
     """A rank the rank starter forked: the part of Popen's interface _spawn_ranks uses (pid, poll, wait, returncode).
-    Its end comes as a line on the connection; a starter that is gone counts as a kill."""
+    The starter sends one JSON line with its pid, one with its exit status; a starter that is gone counts as a kill."""
 
-    def __init__(self, conn: socket.socket, pid: int, buffered: bytes):
-        self.conn, self.pid, self.returncode, self._buffer = conn, pid, None, buffered
+    def __init__(self, conn: socket.socket):
+        self.conn, self.pid, self.returncode, self._buffer = conn, None, None, b""
+
+    def message(self, block: bool) -> dict | None:
+        """The starter's next line; None when none has come yet (block=False), {} when the starter has gone."""
+        while b"\n" not in self._buffer:
+            if not block and not select.select([self.conn], [], [], 0)[0]:
+                return None
+            chunk = self.conn.recv(4096)
+            if not chunk:
+                return {}
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            while b"\n" not in self._buffer and select.select([self.conn], [], [], 0)[0]:
-                chunk = self.conn.recv(4096)
-                if not chunk:
-                    self._buffer += json.dumps({"exit": -signal.SIGKILL}).encode() + b"\n"
-                self._buffer += chunk
-            if b"\n" in self._buffer:
-                self.returncode = json.loads(self._buffer.split(b"\n", 1)[0])["exit"]
+            message = self.message(block=False)
+            if message is not None:
+                self.returncode = message.get("exit", -signal.SIGKILL)
                 self.conn.close()
         return self.returncode
 
@@ -235,19 +243,13 @@ class _RankStarter:
         conn.connect(self.socket_path)
         request = {"argv": argv, "env": env, "cwd": cwd, "stdout": stdout, "stderr": stderr}
         conn.sendall((json.dumps(request) + "\n").encode())
-        buffered = b""
-        while b"\n" not in buffered:
-            chunk = conn.recv(4096)
-            if not chunk:
-                conn.close()
-                return None
-            buffered += chunk
-        line, rest = buffered.split(b"\n", 1)
-        answer = json.loads(line)
-        if "pid" not in answer:
+        rank = _ForkedRank(conn)
+        answer = rank.message(block=True)
+        if "pid" not in answer:  # refused, or the starter has gone
             conn.close()
             return None
-        return _ForkedRank(conn, answer["pid"], rest)
+        rank.pid = answer["pid"]
+        return rank
 
     def stop(self) -> None:
         """It takes no new ranks and ends once the ranks it forked have ended and been reported."""
