@@ -27,6 +27,8 @@ TINY_RECIPE = os.path.join(ROOT, "recipes", "tiny.yaml")
 # The tiny model with a 512-piece tokenizer (tests/fixtures/make_small_vocab.py): for tests whose subject is not the
 # real Mistral tokenizer, a model that is not mostly vocabulary. `model.tokenizer={SMALL_VOCAB}` selects it.
 SMALL_VOCAB = os.path.join(ROOT, "tests", "fixtures", "small_vocab")
+with open(os.path.join(SMALL_VOCAB, "config.json")) as _config:
+    SMALL_VOCAB_LAYERS = json.load(_config)["num_hidden_layers"]
 
 
 def deepspeed_command() -> list[str]:
@@ -61,11 +63,12 @@ def loopback_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def save_tiny_model(dest: str, seed: int = 0, config_dir: str = SMALL_VOCAB) -> str:
+def save_tiny_model(dest: str, seed: int = 0, config_dir: str = SMALL_VOCAB, **shape: int) -> str:
     """A random-init tiny Mistral saved with save_pretrained: the real from_pretrained path, one init for everyone.
     By default the small-vocabulary one (train it with `model.tokenizer={SMALL_VOCAB}`); config_dir=dirname(TINY_CONFIG)
-    gives the 32,000-token one. Its weights are those a run draws from config_dir with model.init_seed=seed
-    (finetune/init_weights.py), so a saved model and a random-init run start alike."""
+    gives the 32,000-token one; `shape` overrides config keys (num_hidden_layers=4). Its weights are those a run draws
+    from config_dir with model.init_seed=seed (finetune/init_weights.py), so a saved model and a random-init run start
+    alike."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -73,7 +76,7 @@ def save_tiny_model(dest: str, seed: int = 0, config_dir: str = SMALL_VOCAB) -> 
 
     if os.path.exists(os.path.join(dest, "model.safetensors")):
         return dest
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir, **shape), dtype=torch.float32)
     initialize(model, seed)
     model.save_pretrained(dest)
     return dest

@@ -168,12 +168,25 @@ def forward_signal(plan: LaunchPlan, signum: int) -> None:
             return str(e)
         if done.returncode != 0:
             return done.stderr.strip() or f"exit code {done.returncode}"
-        return "" if done.stdout.strip() not in ("", "0") else "no rank of this job running there"
+        return "" if done.stdout.strip() not in ("", "0") else NO_RANK_THERE
 
     with ThreadPoolExecutor(max_workers=min(32, len(plan.hosts))) as pool:
-        for host, problem in zip(plan.hosts, pool.map(run, plan.hosts)):
-            if problem:
-                print(f"zerotune launch: could not signal the ranks on {host} ({problem})", flush=True)
+        answers = dict(zip(plan.hosts, pool.map(run, plan.hosts)))
+    for line in signal_report(answers):
+        print(line, flush=True)
+
+
+NO_RANK_THERE = "no rank of this job running there"
+
+
+def signal_report(answers: dict[str, str]) -> list[str]:
+    """What to print after forwarding a signal, from each host's answer ('' = reached). The ranks stop together
+    (finetune/preempt.py: one rank's note reaches all of them in the step's sums), so once a host's ranks got the
+    signal, another host whose ranks have already ended (they saved and left at that step while its signal was still
+    on its way) is no problem; when no host was reached, every host's answer is one."""
+    reached = any(problem == "" for problem in answers.values())
+    return [f"zerotune launch: could not signal the ranks on {host} ({problem})" for host, problem in answers.items()
+            if problem and not (reached and problem == NO_RANK_THERE)]
 
 
 def stop_job(plan: LaunchPlan, proc: subprocess.Popen) -> None:

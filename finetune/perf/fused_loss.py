@@ -43,35 +43,37 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_rows, grad_enabled, upcast):
         # Inside forward autograd is off; whether a backward will follow was decided by the caller.
-        grad_hidden = torch.empty_like(hidden) if grad_enabled and hidden.requires_grad else None
+        want_hidden = grad_enabled and hidden.requires_grad
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if grad_enabled and weight.requires_grad else None
-        needs_grad = grad_hidden is not None or grad_weight is not None
+        # Only target rows enter the GEMMs: a row without a target (a prompt token, padding, a sequence's last token)
+        # adds nothing to the loss and gets a zero gradient, so leaving it out changes no value and saves its share of
+        # the output projection, the largest GEMM of a small model's step.
+        kept = (targets != -100).nonzero().squeeze(1)
+        rows_kept, targets = hidden.index_select(0, kept), targets.index_select(0, kept)
+        grad_rows = torch.empty_like(rows_kept) if want_hidden else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         # Each GEMM below is rounded to the model's dtype, as nn.Linear's is; with upcast its operands are fp32 copies.
         gemm_weight = weight.float() if upcast else weight
-        for start in range(0, hidden.shape[0], chunk_rows):
-            rows = hidden[start:start + chunk_rows]
+        for start in range(0, rows_kept.shape[0], chunk_rows):
+            rows = rows_kept[start:start + chunk_rows]
             gemm_rows = rows.float() if upcast else rows
             target = targets[start:start + chunk_rows]
             logits = (gemm_rows @ gemm_weight.t()).to(hidden.dtype).float()
-            valid = target != -100
-            safe = torch.where(valid, target, 0)
             lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, safe.unsqueeze(1)).squeeze(1)
-            total += torch.where(valid, lse - picked, 0.0).sum()
-            if needs_grad:
-                # d(sum CE)/dlogits = softmax - onehot(target) on target rows, 0 elsewhere.
+            total += (lse - logits.gather(1, target.unsqueeze(1)).squeeze(1)).sum()
+            if want_hidden or grad_weight is not None:
+                # d(sum CE)/dlogits = softmax - onehot(target)
                 grad = torch.exp(logits - lse.unsqueeze(1))
-                grad.scatter_add_(1, safe.unsqueeze(1), -torch.ones_like(lse).unsqueeze(1))
-                grad *= valid.unsqueeze(1)
+                grad.scatter_add_(1, target.unsqueeze(1), -torch.ones_like(lse).unsqueeze(1))
                 grad = grad.to(hidden.dtype)  # what autograd would hand the bf16 projection
                 gemm_grad = grad.float() if upcast else grad
-                if grad_hidden is not None:
-                    grad_hidden[start:start + chunk_rows] = gemm_grad @ gemm_weight
+                if want_hidden:
+                    grad_rows[start:start + chunk_rows] = gemm_grad @ gemm_weight
                 if grad_weight is not None:
                     # a 16-bit GEMM per chunk (fast), summed over chunks in fp32
                     grad_weight += (gemm_grad.t() @ gemm_rows).to(hidden.dtype)
+        grad_hidden = torch.zeros_like(hidden).index_copy_(0, kept, grad_rows) if want_hidden else None
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None)
         return total
 

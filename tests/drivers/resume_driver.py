@@ -3,8 +3,8 @@
     deepspeed --num_gpus 2 --master_addr 127.0.0.1 tests/drivers/resume_driver.py OUT.json CASES.json
 
 Each case is {"name", "deepspeed", "overrides", "kind"}: kind "straight" also records the engine's logits on a fixed
-prompt (and writes a merged export for LoRA) after its last step; "stop" and "resume" are the two halves, their
-result the losses. Kind "reshard" resumes a checkpoint on another layout and, right after loading it, compares per
+prompt (and, for LoRA with train.export on, a merged export) after its last step; "stop" and "resume" are the two
+halves, their result the losses. Kind "reshard" resumes a checkpoint on another layout and, right after loading it, compares per
 trained parameter the engine's fp32 master, training-precision weight and Adam moments with the checkpoint's
 portable files: its result holds the losses, the names that differ, the optimizer's steps and DeepSpeed's counters.
 """
@@ -30,14 +30,14 @@ TOKENIZER = load_tokenizer(SMALL_VOCAB)  # the cases train the small-vocabulary 
 PROMPT_IDS = [TOKENIZER.bos_id] + TOKENIZER.encode("[INST] What does ZeRO stage 3 partition? [/INST]")
 
 
-def record_logits(out_dir: str, lora: bool):
+def record_logits(out_dir: str, merged: bool):
     def on_end(engine):
         engine.module.eval()
         with torch.no_grad():
             logits = engine.module(input_ids=torch.tensor([PROMPT_IDS])).logits.float()
         if dist.is_main():
             torch.save(logits, os.path.join(out_dir, "engine_logits.pt"))
-        if lora:
+        if merged:
             export_engine(engine, os.path.join(out_dir, "merged"), TOKENIZER, lora=True, merge=True)
     return on_end
 
@@ -88,7 +88,9 @@ def one_case(case: dict):
         with compared_on_load(result):
             losses = [r["loss"] for r in train(run) if "loss" in r]
         return {"losses": losses, **result}
-    on_end = record_logits(run.recipe.train.output_dir, run.recipe.lora.enabled) if case["kind"] == "straight" else None
+    # the merged model beside the run's own export, where it writes one
+    merged = run.recipe.lora.enabled and run.recipe.train.export
+    on_end = record_logits(run.recipe.train.output_dir, merged) if case["kind"] == "straight" else None
     return [r["loss"] for r in train(run, on_end=on_end) if "loss" in r]
 
 

@@ -69,8 +69,9 @@ def test_merge_of_the_final_adapter_gives_base_plus_adapter(runs, merged):
         expected, got = adapted(ids).logits, merged(ids).logits
         with adapted.disable_adapter():
             plain = adapted(ids).logits
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
-    assert (plain - expected).abs().max() > 1e-2  # the adapter trained: merging it changes the model
+    # fp32 rounding apart ((W + BA) x against W x + B (A x)), a thousandth of what the adapter moves them by
+    torch.testing.assert_close(got, expected, rtol=0, atol=5e-5)
+    assert (plain - expected).abs().max() > 5e-2  # the adapter trained: merging it changes the model
 
 
 def test_the_loading_snippet_runs_on_the_merged_export(merged):

@@ -6,10 +6,7 @@ Its saved bytes against the estimator are in tests/integration/test_estimate.py;
 a plain-PyTorch loop over transformers' model is tests/integration/test_parity.py."""
 
 import pytest
-from tests.helpers import SMALL_VOCAB, TINY_RECIPE, ds_variant, save_tiny_model, train_cases
-
-
-TINY_LAYERS = 4  # recipes/tiny_model
+from tests.helpers import SMALL_VOCAB, SMALL_VOCAB_LAYERS, TINY_RECIPE, ds_variant, save_tiny_model, train_cases
 
 
 def test_zero3_two_ranks_with_and_without_recomputation(tmp_path):
@@ -26,7 +23,7 @@ def test_zero3_two_ranks_with_and_without_recomputation(tmp_path):
     got = train_cases(2, cases, tmp_path)
     for ckpt in ("none", "full"):
         fused, plain = got[f"{ckpt}-fused=True"], got[f"{ckpt}-fused=False"]
-        assert (fused["fused_mlps"], plain["fused_mlps"]) == (TINY_LAYERS, 0)
+        assert (fused["fused_mlps"], plain["fused_mlps"]) == (SMALL_VOCAB_LAYERS, 0)
         assert len(fused["loss"]) == 4 and fused["loss"][-1] < fused["loss"][0] - 0.05
         assert fused["loss"] == pytest.approx(plain["loss"], abs=1e-6), (ckpt, fused["loss"], plain["loss"])
         assert fused["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5), ckpt

@@ -12,12 +12,13 @@ from finetune.memory.budget import plan_memory
 from finetune.config import load_recipe
 from safetensors.torch import load_file
 
-from tests.helpers import ROOT, SMALL_VOCAB, TINY_CONFIG, TINY_RECIPE, ds_variant, run_ranks, save_tiny_model
+from tests.helpers import ROOT, TINY_CONFIG, TINY_RECIPE, ds_variant, run_ranks, save_tiny_model
 from tests.unit.test_parity import STEPS, overrides
 
 OFFLOADED = {"zero2_offload": "zero2", "zero3_offload_optimizer": "zero3", "zero3_offload": "zero3",
              "zero3_nvme": "zero3"}
 BUDGET_GIB = 0.01  # for the small-vocabulary tiny model's full fine-tune on 2 ranks only offloading fits
+FULL_LAYERS = 4  # the full fine-tunes' model
 
 
 def _name(config: str, lora: bool) -> str:
@@ -27,7 +28,8 @@ def _name(config: str, lora: bool) -> str:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("offload")
-    model_dir = save_tiny_model(str(tmp / "model"))
+    # 4 layers: the budget below and DeepSpeed's minimum swap size are set for this size (the default has 2)
+    model_dir = save_tiny_model(str(tmp / "model"), num_hidden_layers=FULL_LAYERS)
     # LoRA trains adapters only: what reaches the NVMe files is the frozen weights' partitions, and DeepSpeed swaps
     # none under 1 MiB (its minimum AIO size), which the small model's tensors all are. The LoRA cases train the
     # 32,000-token tiny model, whose embedding and output partitions are over it.
@@ -45,7 +47,7 @@ def runs(tmp_path_factory):
                                         else overrides(model_dir, str(tmp / name), lora, 2)) + extra})
     budget = overrides(model_dir, str(tmp / "budget"), False, 2) + [f"train.gpu_memory_gib={BUDGET_GIB}"]
     cases.append({"name": "auto", "config": TINY_RECIPE, "deepspeed": "auto", "overrides": budget})
-    plan = plan_memory(load_recipe(TINY_RECIPE, budget), json.load(open(os.path.join(SMALL_VOCAB, "config.json"))), "auto", 2, BUDGET_GIB, None, 2)
+    plan = plan_memory(load_recipe(TINY_RECIPE, budget), json.load(open(os.path.join(model_dir, "config.json"))), "auto", 2, BUDGET_GIB, None, 2)
     by_hand = overrides(model_dir, str(tmp / "by_hand"), False, 2) + [
         f"model.activation_checkpointing={plan.activation_checkpointing}",
         f"model.recompute_layers={'null' if plan.recompute_layers is None else plan.recompute_layers}",

@@ -7,7 +7,7 @@ target tokens; LoRA leaves every base weight bit-identical and changes the adapt
 import json
 import os
 import pytest
-from tests.helpers import SMALL_VOCAB, ROOT, TINY_RECIPE, ds_variant, run_ranks, save_tiny_model
+from tests.helpers import SMALL_VOCAB, SMALL_VOCAB_LAYERS, ROOT, TINY_RECIPE, ds_variant, run_ranks, save_tiny_model
 from tests.unit.test_parity import EVAL_DATA, EVAL_EVERY, STEPS, overrides  # noqa: F401
 
 
@@ -95,6 +95,6 @@ def test_one_rank_accumulating_equals_two_ranks(matrix, name):
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_lora_freezes_base_and_trains_adapters(matrix, world, stage, bf16):
     result = matrix[world][case_name(stage, True, bf16)]
-    assert result["n_base"] > 0 and result["n_adapter"] == 4 * 7  # 4 layers x 7 projections
+    assert result["n_base"] > 0 and result["n_adapter"] == SMALL_VOCAB_LAYERS * 7  # 7 projections a layer
     assert result["base_identical"], "a frozen base weight changed"
     assert result["adapters_changed"], "an adapter never moved"

@@ -135,12 +135,12 @@ def test_resume_with_lora_flipped_is_refused_and_writes_nothing(raced):
 
 
 def test_resume_with_another_layer_count_is_refused(raced):
-    other = raced["tmp"] / "model-2-layers"
+    other = raced["tmp"] / "model-3-layers"
     other.mkdir()
     config = json.loads((raced["tmp"] / "model" / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
     before = _snapshot(raced["out"])
-    with pytest.raises(ConfigError, match=r"model num_hidden_layers \(config.json\) +4 +2"):
+    with pytest.raises(ConfigError, match=r"model num_hidden_layers \(config.json\) +2 +3"):
         _prepare(raced, f"model.path={other}")
     assert _snapshot(raced["out"]) == before
 

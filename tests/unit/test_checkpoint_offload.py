@@ -11,10 +11,9 @@ import torch
 from finetune import checkpoint_offload
 from finetune.config import load_recipe
 from finetune.model import build_model
-from tests.helpers import TINY_RECIPE, save_tiny_model
+from tests.helpers import SMALL_VOCAB_LAYERS as LAYERS, TINY_RECIPE, save_tiny_model
 
 FP32 = {"bf16": {"enabled": False}}
-LAYERS = 4  # the tiny model
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,27 @@ def test_fp32_value_and_gradients_equal_materialised_logits(chunk_rows):
     assert torch.count_nonzero(h.grad[::4]) == 0  # ignored rows get no gradient
 
 
+def test_rows_without_a_target_never_enter_a_gemm():
+    """Only target rows are projected: a non-finite value in an ignored row (whatever a prompt position holds) changes
+    nothing, where a GEMM over all rows would carry it into the weight gradient; with no target at all the loss and
+    both gradients are zero."""
+    h, w, t = _case(torch.float32)
+    ref = linear_cross_entropy_sum(h, w, t)
+    ref.backward()
+    ref_h, ref_w = h.grad.clone(), w.grad.clone()
+    poisoned = h.detach().clone()
+    poisoned[::4] = float("nan")
+    poisoned.requires_grad_()
+    w.grad = None
+    got = linear_cross_entropy_sum(poisoned, w, t)
+    got.backward()
+    assert torch.equal(got, ref) and torch.equal(w.grad, ref_w) and torch.equal(poisoned.grad, ref_h)
+    h.grad = w.grad = None
+    none = linear_cross_entropy_sum(h, w, torch.full_like(t, -100))
+    none.backward()
+    assert none.item() == 0 and torch.count_nonzero(h.grad) == 0 and torch.count_nonzero(w.grad) == 0
+
+
 def test_bf16_error_is_of_the_plain_bf16_path_order():
     """Against the fp32 truth, the fused bf16 loss and gradients are off by the same order as the plain bf16 path (the
     weight gradient is summed over chunks of 16-bit GEMMs, so within 2x of the plain path's single rounding)."""

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from finetune import preempt
+from finetune.multinode.jobwatch import NO_RANK_THERE, signal_report
 from finetune.dist import free_port
 from finetune.prepare import parse_args
 
@@ -141,3 +142,14 @@ def test_the_launcher_passes_a_signal_to_this_jobs_ranks_of_the_host_only(tmp_pa
         for p in procs:
             os.killpg(p.pid, signal.SIGKILL)  # the rank's worker too
             p.wait()
+
+
+def test_a_host_whose_ranks_had_ended_is_no_problem_once_another_host_was_signalled():
+    """The ranks stop together, so a host reached after its ranks saved and left needs no warning; a host that could
+    not be reached does, and so does every host when none was reached."""
+    assert signal_report({"node1": "", "node2": NO_RANK_THERE}) == []
+    assert signal_report({"node1": "", "node2": "ssh: connect to host node2 port 22: Connection refused"}) == [
+        "zerotune launch: could not signal the ranks on node2 (ssh: connect to host node2 port 22: Connection refused)"]
+    assert signal_report({"node1": NO_RANK_THERE, "node2": NO_RANK_THERE}) == [
+        f"zerotune launch: could not signal the ranks on node1 ({NO_RANK_THERE})",
+        f"zerotune launch: could not signal the ranks on node2 ({NO_RANK_THERE})"]

@@ -51,7 +51,7 @@ def _forward_counts_and_grads(model_dir: str, tmp_path, *overrides: str):
 
 
 def test_only_the_chosen_layers_run_twice_and_gradients_are_unchanged(tmp_path):
-    model_dir = save_tiny_model(str(tmp_path / "model"))  # 4 decoder layers
+    model_dir = save_tiny_model(str(tmp_path / "model"), num_hidden_layers=4)  # which 1, 2 or 3 of 4 run twice
     calls, plain = _forward_counts_and_grads(model_dir, tmp_path, "model.activation_checkpointing=none")
     assert calls == [1, 1, 1, 1]
     for k, twice in ((1, [0]), (2, [0, 2]), (3, [0, 1, 2])):
@@ -64,7 +64,7 @@ def test_only_the_chosen_layers_run_twice_and_gradients_are_unchanged(tmp_path):
 
 
 def test_impossible_counts_are_refused_before_loading(tmp_path):
-    model_dir = save_tiny_model(str(tmp_path / "model"))
+    model_dir = save_tiny_model(str(tmp_path / "model"), num_hidden_layers=4)
     with pytest.raises(ConfigError, match="model.recompute_layers applies to activation_checkpointing selective"):
         load_recipe(TINY_RECIPE, ["model.activation_checkpointing=full", "model.recompute_layers=2"])
     with pytest.raises(ConfigError, match="model.recompute_layers must be > 0"):

@@ -29,7 +29,7 @@ def _keys(differences) -> list[str]:
 
 def test_the_checkpoint_keeps_the_model_shape():
     saved = _config()
-    assert saved["model_config"]["num_hidden_layers"] == 4 and saved["model_config"]["vocab_size"] == 512
+    assert saved["model_config"]["num_hidden_layers"] == 2 and saved["model_config"]["vocab_size"] == 512
     assert set(saved["model_config"]) <= set(resume_check.SHAPE_KEYS)
 
 
@@ -57,9 +57,9 @@ def test_adapter_changes_refuse_when_lora_is_on(override, key):
 
 
 def test_model_shape_refuses_and_a_moved_model_of_the_same_shape_is_listed():
-    refused, listed = resume_check.compare(_config(), _config("model.path=/elsewhere", num_hidden_layers=2))
+    refused, listed = resume_check.compare(_config(), _config("model.path=/elsewhere", num_hidden_layers=3))
     assert _keys(refused) == ["model num_hidden_layers (config.json)"]
-    assert (refused[0].saved, refused[0].now) == (4, 2)
+    assert (refused[0].saved, refused[0].now) == (2, 3)
     assert _keys(listed) == ["model.path"]
     refused, listed = resume_check.compare(_config(), _config("model.path=/elsewhere"))
     assert refused == [] and _keys(listed) == ["model.path"]
@@ -84,13 +84,13 @@ def _checkpoint(tmp_path, meta: dict) -> str:
 def test_refusal_is_a_table_and_says_what_to_do(tmp_path):
     path = _checkpoint(tmp_path, _config())
     with pytest.raises(ConfigError) as e:
-        resume_check.check(path, _config("lora.enabled=true", num_hidden_layers=2))
+        resume_check.check(path, _config("lora.enabled=true", num_hidden_layers=3))
     lines = str(e.value).splitlines()
     assert lines[0] == f"train.resume: {path} was trained with other parameters than this recipe builds:"
     assert lines[1].split() == ["key", "checkpoint", "now"]
-    assert lines[2].split() == ["model", "num_hidden_layers", "(config.json)", "4", "2"]
+    assert lines[2].split() == ["model", "num_hidden_layers", "(config.json)", "2", "3"]
     assert lines[3].split() == ["lora.enabled", "false", "true"]
-    assert lines[1].index("checkpoint") == lines[2].index("4") == lines[3].index("false")  # aligned columns
+    assert lines[1].index("checkpoint") == lines[2].index("2") == lines[3].index("false")  # aligned columns
     assert "To resume it, change these settings back; or start a new run in another train.output_dir" in lines[4]
     assert resume_check.check(path, _config("optim.lr=1e-3"))[0].key == "optim.lr"
 
