@@ -7,6 +7,7 @@
   `zerotune export`) reproduces the engine's logits on a fixed prompt.
 - A half-written checkpoint is never resumed from; an unwritable output dir fails before the first step."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -250,27 +251,26 @@ def test_offline_export_of_a_checkpoint(runs, tmp_path, lora):
     torch.testing.assert_close(got, torch.load(tmp / n / "straight" / "engine_logits.pt"), atol=1e-5, rtol=0)
 
 
-def _launch_and_kill(args: list[str], out, until) -> None:
-    """Start 2 ranks through the deepspeed launcher, SIGKILL the whole job as soon as until(out) holds."""
+def _start_and_kill(args: list[str], out, until) -> None:
+    """Start 2 ranks of finetune/main.py, SIGKILL both as soon as until(out) holds."""
     import signal
-    import subprocess
-    import time
 
-    from tests.helpers import deepspeed_command, free_port, loopback_env
+    from tests.helpers import free_port, loopback_env, start_ranks
 
-    cmd = [*deepspeed_command(), "--num_gpus", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "finetune/main.py", *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=loopback_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    logs = [(str(out) + f".rank{rank}.log",) * 2 for rank in range(2)]
+    procs = start_ranks(2, "finetune/main.py", args, loopback_env(MASTER_PORT=str(free_port())), logs)
     deadline = time.time() + 300
     try:
         while not until(out):
-            assert proc.poll() is None, "the run ended before it could be killed"
+            assert all(p.poll() is None for p in procs), "the run ended before it could be killed"
             assert time.time() < deadline, "the run never reached the point to kill it at"
             time.sleep(0.002)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.wait()
 
 
 
@@ -292,14 +292,14 @@ def test_kill_9_then_resume_continues_the_uninterrupted_curve(runs, tmp_path, mo
         until = lambda o: (ckpts / "step_00000004" / checkpoint.MARKER).exists()
     else:
         until = lambda o: (ckpts / ".tmp-step_00000004").exists()
-    _launch_and_kill(args, out, until)
+    _start_and_kill(args, out, until)
     last = checkpoint.find_latest(str(out))
     assert last is not None
     resumed_from = int(last.rsplit("_", 1)[1])
     assert resumed_from == 2 if moment == "saving" else resumed_from >= 4
-    # Fresh interpreters, as a scheduler's retry starts them (seconds later): the lock of a rank killed in the middle
-    # of a write is dropped once that write has ended (finetune/runlock.py: RELEASE_WAIT_S).
-    run_ranks(2, "finetune/main.py", args + ["train.resume=auto"], timeout=600, fork=False)
+    # At once, as a quick retry would: a killed rank's lock, held until a write it was in has ended, is waited for
+    # (finetune/runlock.py: RELEASE_WAIT_S).
+    run_ranks(2, "finetune/main.py", args + ["train.resume=auto"], timeout=600)
     metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert [m["loss"] for m in metrics] == straight
