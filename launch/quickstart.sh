@@ -4,11 +4,16 @@
 # Extra arguments are recipe overrides (train.max_steps=50); --verbose also prints DeepSpeed's own logging.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# pip's output only when it fails: even with -q, an editable install passes on its build backend's notices.
+quietly() {
+  local log; log=$(mktemp)
+  if "$@" >"$log" 2>&1; then rm -f "$log"; else local rc=$?; cat "$log" >&2; rm -f "$log"; return $rc; fi
+}
 if command -v nvidia-smi >/dev/null 2>&1; then
-  pip install -q --no-build-isolation -e '.[plot]'                     # GPU machines keep the torch they have
+  quietly pip install -q --no-build-isolation -e '.[plot]'                     # GPU machines keep the torch they have
 else
-  pip install -q torch==2.13.0                                         # the CPU build, alone first: deepspeed builds against it
-  pip install -q --no-build-isolation -c .ci/constraints.txt -e '.[plot]'  # the versions CI tests
+  quietly pip install -q torch==2.13.0                                         # the CPU build, alone first: deepspeed builds against it
+  quietly pip install -q --no-build-isolation -c .ci/constraints.txt -e '.[plot]'  # the versions CI tests
   export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}                         # no GPU to look for, and no notice that none was found
 fi
 port=${MASTER_PORT:-$(python -c 'from finetune.dist import free_port; print(free_port())')}  # MASTER_PORT: choose it

@@ -28,6 +28,8 @@ SAVE_WAIT_S = 600.0
 """How long the ranks get to finish their step, save and exit after a forwarded SIGTERM/SIGUSR1 before the job is
 stopped (`zerotune launch --stop-timeout`)."""
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
+# A host whose ranks had all ended when its signal came (they may have saved and exited after another host's signal).
+NO_RANK_THERE = "no rank of this job running there"
 
 # Runs over ssh on each host to stop this job only: the `deepspeed.launcher.launch` processes started with this
 # job's master address and port, and everything under them (DeepSpeed's own stop is `pkill -f` on any launch).
@@ -174,9 +176,6 @@ def forward_signal(plan: LaunchPlan, signum: int) -> None:
         answers = dict(zip(plan.hosts, pool.map(run, plan.hosts)))
     for line in signal_report(answers):
         print(line, flush=True)
-
-
-NO_RANK_THERE = "no rank of this job running there"
 
 
 def signal_report(answers: dict[str, str]) -> list[str]:

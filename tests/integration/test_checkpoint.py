@@ -11,13 +11,15 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import time
 
 import pytest
 import torch
 from finetune import checkpoint
 from finetune.config import ConfigError
-from tests.helpers import SMALL_VOCAB, ROOT, TINY_RECIPE, ds_variant, run_ranks, save_tiny_model
+from tests.helpers import (ROOT, SMALL_VOCAB, TINY_RECIPE, ds_variant, free_port, loopback_env, run_ranks,
+                           save_tiny_model, start_ranks)
 
 
 CASES = [(stage, lora, bf16) for stage in (2, 3) for lora in (False, True) for bf16 in (False, True)]
@@ -253,10 +255,6 @@ def test_offline_export_of_a_checkpoint(runs, tmp_path, lora):
 
 def _start_and_kill(args: list[str], out, until) -> None:
     """Start 2 ranks of finetune/main.py, SIGKILL both as soon as until(out) holds."""
-    import signal
-
-    from tests.helpers import free_port, loopback_env, start_ranks
-
     logs = [(str(out) + f".rank{rank}.log",) * 2 for rank in range(2)]
     procs = start_ranks(2, "finetune/main.py", args, loopback_env(MASTER_PORT=str(free_port())), logs)
     deadline = time.time() + 300
