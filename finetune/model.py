@@ -19,6 +19,7 @@ import torch
 from finetune import init_weights
 from finetune.config import ConfigError, LoraConfig, ModelConfig
 from finetune.ds_config import bf16_enabled, zero_stage
+from finetune.recompute import marking
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 
@@ -115,6 +116,8 @@ def _enable_checkpointing(model, recomputed: list[int], offload: bool = False) -
             from finetune.checkpoint_offload import offloading_checkpoint
 
             layer._gradient_checkpointing_func = offloading_checkpoint
+        # Parts of the layer (the tiled MLP) skip work that the recomputation does not need (finetune/recompute.py).
+        layer._gradient_checkpointing_func = marking(layer._gradient_checkpointing_func)
 
 
 def apply_rope_scaling(config, rope_scaling: dict[str, Any] | None) -> None:

@@ -7,7 +7,8 @@ Mistral-7B's MLP makes [tokens, 14,336] tensors (gate, up, their product), 3.5 t
 transformers', liger's, finetune/perf/fused_mlp.py's, with peft's or fused LoRA projections inside) runs on one tile
 of tokens after another under no_grad, and only its input is kept. Backward runs each tile's forward again with
 autograd on and differentiates it at once, so no [row, intermediate] tensor ever exists, in forward or backward: only
-one tile's. The price is one more MLP forward per step (two with the layer recomputed).
+one tile's. The price is one more MLP forward per step. A recomputed layer's MLP adds none: the layer's recomputation
+only rebuilds the MLP's input, so the tiles are skipped there (finetune/recompute.py).
 
 The tile is TILE_TOKENS tokens: Mistral-7B's hidden size, DeepSpeed ALST's choice (its TiledMLP uses hidden_size
 tokens), which makes a tile's [tile, intermediate] tensor the size of one MLP weight and keeps its GEMMs large enough
@@ -40,6 +41,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from finetune.recompute import recomputing
 
 TILE_TOKENS = 4096
 """Tokens per tile (an upper bound: a call's tokens are split into equal tiles of at most this many)."""
@@ -82,6 +85,8 @@ class TiledMLPFunction(torch.autograd.Function):
         kind = x.device.type
         ctx.autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
         ctx.save_for_backward(x)
+        if recomputing():  # the layer's recomputation needs only x rebuilt; this output is never read
+            return torch.empty_like(x)
         y = _run_tiles(mlp._tiled_mlp_inner, _rows(x, n), n)
         return y[:x.shape[:-1].numel()].view(*x.shape[:-1], y.shape[-1])
 

@@ -1,6 +1,6 @@
 """Long rows on a GPU: checkpoint offload (finetune/checkpoint_offload.py) moves each layer's input off the device and
-changes no gradient; the tiled MLP (finetune/perf/tiled_mlp.py) cuts the step's peak memory and keeps the gradients of
-the untiled bf16 model. Needs CUDA; CI (CPU) skips it. The lead's GPU call runs it:
+changes no gradient; the tiled MLP (finetune/perf/tiled_mlp.py) cuts the step's peak memory, keeps the gradients of
+the untiled bf16 model and runs no tile in a layer's recomputation. Needs CUDA; CI (CPU) skips it. The lead's GPU call runs it:
 
     .venv/bin/python -m pytest -q tests/gpu/test_gpu_long_context.py
 """
@@ -65,6 +65,10 @@ def test_tiled_mlp_lowers_the_peak_and_keeps_the_bf16_gradients():
     install_fused_mlp(plain, zero_stage=0, liger=False)
     tiled = copy.deepcopy(plain)
     install_tiled_mlp(tiled, zero_stage=0, max_tokens=TOKENS, tile_tokens=HIDDEN)
+    tiles = []
+    for mlp in (m for n, m in tiled.named_modules() if n.endswith(".mlp")):
+        inner = mlp._tiled_mlp_inner
+        mlp._tiled_mlp_inner = lambda t, inner=inner: tiles.append(t.shape[0]) or inner(t)
     for name, model in (("plain", plain), ("tiled", tiled)):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -75,6 +79,9 @@ def test_tiled_mlp_lowers_the_peak_and_keeps_the_bf16_gradients():
         grads[name] = {n: p.grad.float() for n, p in model.named_parameters()}
     # one layer's recomputed MLP keeps gate and up (and rebuilds the product): 2 x tokens x intermediate bf16 values
     assert peaks["plain"] - peaks["tiled"] >= TOKENS * INTERMEDIATE * 2 * 2 * 0.8, peaks
+    # Every layer recomputed: its tiles run in forward and in backward, not in the layer's recomputation, which runs
+    # on autograd's device thread (finetune/recompute.py marks it there)
+    assert tiles == [HIDDEN] * (TOKENS // HIDDEN) * 2 * LAYERS, len(tiles)
     for name, g in grads["plain"].items():
         err = (grads["tiled"][name] - g).norm() / g.norm().clamp_min(1e-12)
         assert err < 2e-2, (name, err.item())

@@ -170,6 +170,38 @@ def test_with_the_tiled_loss_and_recomputed_layers_the_model_equals_the_plain_on
         _close(b.grad, a.grad, name)
 
 
+@pytest.mark.parametrize("checkpointing, recomputed", [("full", [0, 1]), ("selective", [1]), ("offload", [0, 1])])
+@pytest.mark.parametrize("kind", ["full", "peft-lora"])
+def test_a_recomputed_layer_runs_its_tiles_twice_not_three_times(kind, checkpointing, recomputed):
+    """Layers recomputed as finetune/model.py sets them up (finetune/recompute.py marks the second run): a recomputed
+    layer's MLP runs its tiles in forward and in backward only, not again in the layer's recomputation, as a layer
+    kept whole does; loss and every gradient equal the plain model's (no tiles, no recomputation) within 1e-6."""
+    from finetune.model import _enable_checkpointing
+
+    plain, tiled = _mistral(), _mistral()
+    _enable_checkpointing(tiled, recomputed, offload=checkpointing == "offload")  # before LoRA, as finetune/model.py
+    if kind == "peft-lora":
+        plain, tiled = (_lora(m, ["gate_proj", "up_proj", "down_proj"]) for m in (plain, tiled))
+    install_tiled_mlp(tiled, zero_stage=2, max_tokens=ROWS * SEQ, tile_tokens=TILE)
+    calls = [0] * LAYERS
+    for i, mlp in enumerate(m for name, m in tiled.named_modules() if name.endswith(".mlp")):
+        inner = mlp._tiled_mlp_inner
+        mlp._tiled_mlp_inner = lambda t, i=i, inner=inner: calls.__setitem__(i, calls[i] + 1) or inner(t)
+    plain.train(), tiled.train()
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(8))
+    losses = []
+    for model in (plain, tiled):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert calls == [5 * 2] * LAYERS  # 5 tiles in forward and 5 in backward, recomputed or not
+    assert abs(losses[1] - losses[0]) <= 1e-6 * abs(losses[0])
+    grads = [{n: p.grad for n, p in m.named_parameters() if p.requires_grad} for m in (plain, tiled)]
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name, grad in grads[0].items():
+        _close(grads[1][name], grad, name)
+
+
 def test_zero3_registers_every_mlp_parameter_with_the_mlp():
     """Under ZeRO-3 the MLP's hooks gather all its projections' parameters once, for forward and for backward, and
     they are whole when handed to the tiled function."""
