@@ -19,6 +19,7 @@ import pickle
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,15 +142,25 @@ def _pool_map(encoder: _ChunkEncoder, chunks: Iterator[list], num_proc: int) -> 
     Workers are spawned, not forked: the parent may hold CUDA, gloo/NCCL threads and a Rust tokenizer's
     thread pool, none of which survive a fork safely. At most 2 x num_proc chunks are in flight, so a large
     file is never read into memory ahead of the workers.
+
+    A chunk's error (a bad record) ends the map: the chunks not started are cancelled and the ones running finish
+    before the workers exit. multiprocessing.Pool would instead terminate its workers on leaving its `with`, and a
+    worker killed while it writes its result holds the result queue's lock for good: the pool's own threads then
+    wait on it, and the run hangs at its start instead of naming the bad line.
     """
-    with multiprocessing.get_context("spawn").Pool(num_proc, initializer=_init_worker, initargs=(encoder,)) as pool:
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(num_proc, mp_context=context, initializer=_init_worker, initargs=(encoder,)) as pool:
         pending: deque = deque()
-        for chunk in chunks:
-            pending.append(pool.apply_async(_run_chunk, (chunk,)))
-            if len(pending) >= 2 * num_proc:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+        try:
+            for chunk in chunks:
+                pending.append(pool.submit(_run_chunk, chunk))
+                if len(pending) >= 2 * num_proc:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
 
 
 def tokenize_file(path: str, cfg: DataConfig, tokenizer, report: DataReport, format: str | None = None) -> TokenizedData:

@@ -2,6 +2,7 @@
 over-long policy, clear errors for bad input, and the `zerotune preprocess` command (CPU, no network)."""
 
 import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -107,10 +108,12 @@ def test_worker_errors_name_file_and_line(tok, tmp_path, monkeypatch):
         with pytest.raises(ConfigError) as e:
             build_datasets(DataConfig(path=path, num_proc=num_proc), tok, 42, str(tmp_path / f"c{num_proc}"))
         assert str(e.value).startswith(f"{path}:10: field 'output' must be string, got integer")
+        assert multiprocessing.active_children() == []  # the workers finished their chunks and exited, none killed
     lines[9] = good
     path = write_lines(tmp_path / "bad.jsonl", lines)
     with pytest.raises(ConfigError, match=re.escape(f"{path}:16: malformed JSON")):
         build_datasets(DataConfig(path=path, num_proc=2), tok, 42, str(tmp_path / "c3"))
+    assert multiprocessing.active_children() == []
 
 
 # --- 5. mixing ----------------------------------------------------------------------------------------
