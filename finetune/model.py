@@ -112,12 +112,13 @@ def _enable_checkpointing(model, recomputed: list[int], offload: bool = False) -
     chosen = set(recomputed)
     for i, layer in enumerate(model.model.layers):
         layer.gradient_checkpointing = i in chosen
+        checkpoint = layer._gradient_checkpointing_func
         if offload:
             from finetune.checkpoint_offload import offloading_checkpoint
 
-            layer._gradient_checkpointing_func = offloading_checkpoint
+            checkpoint = offloading_checkpoint
         # Parts of the layer (the tiled MLP) skip work that the recomputation does not need (finetune/recompute.py).
-        layer._gradient_checkpointing_func = marking(layer._gradient_checkpointing_func)
+        layer._gradient_checkpointing_func = marking(checkpoint)
 
 
 def apply_rope_scaling(config, rope_scaling: dict[str, Any] | None) -> None:

@@ -10,11 +10,11 @@ quietly() {
   if "$@" >"$log" 2>&1; then rm -f "$log"; else local rc=$?; cat "$log" >&2; rm -f "$log"; return $rc; fi
 }
 if command -v nvidia-smi >/dev/null 2>&1; then
-  quietly pip install -q --no-build-isolation -e '.[plot]'                     # GPU machines keep the torch they have
+  quietly pip install -q --no-build-isolation -e '.[plot]'                         # GPU machines keep the torch they have
 else
-  quietly pip install -q torch==2.13.0                                         # the CPU build, alone first: deepspeed builds against it
+  quietly pip install -q torch==2.13.0                                             # the CPU build, alone first: deepspeed builds against it
   quietly pip install -q --no-build-isolation -c .ci/constraints.txt -e '.[plot]'  # the versions CI tests
-  export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}                         # no GPU to look for, and no notice that none was found
+  export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}                                     # no GPU to look for, and no notice that none was found
 fi
 port=${MASTER_PORT:-$(python -c 'from finetune.dist import free_port; print(free_port())')}  # MASTER_PORT: choose it
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}

@@ -271,7 +271,6 @@ def _start_and_kill(args: list[str], out, until) -> None:
             p.wait()
 
 
-
 @pytest.mark.parametrize("moment", ["training", "saving"])
 def test_kill_9_then_resume_continues_the_uninterrupted_curve(runs, tmp_path, moment):
     """kill -9 of every rank mid-run (after the step-4 checkpoint) or in the middle of writing a checkpoint; resume=auto

@@ -56,6 +56,14 @@ def _mlp_of(model):
     return next(m for n, m in model.named_modules() if n.endswith("layers.0.mlp"))
 
 
+def log_tiles(mlp) -> list[int]:
+    """The token count of each tile that the tiled MLP `mlp` runs from now on, in order."""
+    tiles = []
+    inner = mlp._tiled_mlp_inner
+    mlp._tiled_mlp_inner = lambda t: tiles.append(t.shape[0]) or inner(t)
+    return tiles
+
+
 def _grads(module, x, weight):
     y = module(x)
     (y * weight).sum().backward()
@@ -76,9 +84,7 @@ def test_fp32_output_and_gradients_equal_the_untiled_mlp(kind, fused_mlp):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(ROWS, SEQ, HIDDEN, generator=g)
     weight = torch.randn(ROWS, SEQ, HIDDEN, generator=g)
-    calls = []
-    inner = _mlp_of(tiled)._tiled_mlp_inner
-    _mlp_of(tiled)._tiled_mlp_inner = lambda t: calls.append(t.shape[0]) or inner(t)
+    calls = log_tiles(_mlp_of(tiled))
     y_p, gx_p, gp = _grads(_mlp_of(plain), x.clone().requires_grad_(), weight)
     y_t, gx_t, gt = _grads(_mlp_of(tiled), x.clone().requires_grad_(), weight)
     assert calls == [15, 15, 15, 15, 14] * 2  # forward's tiles, then backward's
@@ -96,9 +102,7 @@ def test_short_calls_pad_to_the_same_tile_count_and_no_grad_runs_tiles_too():
     tiled = copy.deepcopy(plain)
     install_tiled_mlp(tiled, zero_stage=2, max_tokens=ROWS * SEQ, tile_tokens=TILE)
     mlp = _mlp_of(tiled)
-    calls = []
-    inner = mlp._tiled_mlp_inner
-    mlp._tiled_mlp_inner = lambda t: calls.append(t.shape[0]) or inner(t)
+    calls = log_tiles(mlp)
     x = torch.randn(1, 3, HIDDEN, generator=torch.Generator().manual_seed(3))
     weight = torch.randn(1, 3, HIDDEN)
     y_p, gx_p, gp = _grads(_mlp_of(plain), x.clone().requires_grad_(), weight)
@@ -183,10 +187,7 @@ def test_a_recomputed_layer_runs_its_tiles_twice_not_three_times(kind, checkpoin
     if kind == "peft-lora":
         plain, tiled = (_lora(m, ["gate_proj", "up_proj", "down_proj"]) for m in (plain, tiled))
     install_tiled_mlp(tiled, zero_stage=2, max_tokens=ROWS * SEQ, tile_tokens=TILE)
-    calls = [0] * LAYERS
-    for i, mlp in enumerate(m for name, m in tiled.named_modules() if name.endswith(".mlp")):
-        inner = mlp._tiled_mlp_inner
-        mlp._tiled_mlp_inner = lambda t, i=i, inner=inner: calls.__setitem__(i, calls[i] + 1) or inner(t)
+    tiles = [log_tiles(m) for name, m in tiled.named_modules() if name.endswith(".mlp")]
     plain.train(), tiled.train()
     ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(8))
     losses = []
@@ -194,6 +195,7 @@ def test_a_recomputed_layer_runs_its_tiles_twice_not_three_times(kind, checkpoin
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         losses.append(loss.item())
+    calls = [len(t) for t in tiles]
     assert calls == [5 * 2] * LAYERS  # 5 tiles in forward and 5 in backward, recomputed or not
     assert abs(losses[1] - losses[0]) <= 1e-6 * abs(losses[0])
     grads = [{n: p.grad for n, p in m.named_parameters() if p.requires_grad} for m in (plain, tiled)]
