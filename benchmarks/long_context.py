@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.vs_peer import launch, versions  # noqa: E402
-from finetune.metrics import read_metrics  # noqa: E402
+from finetune.run.metrics import read_metrics  # noqa: E402
 
 SYSTEMS = ("zerotune", "peer")
 

@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from finetune.dist import free_port  # noqa: E402
-from finetune.metrics import read_metrics  # noqa: E402
+from finetune.run.metrics import read_metrics  # noqa: E402
 CONFIGS = ("full_zero2", "full_zero3", "lora_zero2", "lora_zero3")
 ROWS = 8  # rows per GPU per step (the peer's default micro-batch)
 PEER = {  # (micro-batch, grad_accum, checkpointing, liger); "best" from shared/FACTS.md's hand-tuning on 2xH200
@@ -37,7 +37,7 @@ H200_TFLOPS = 989.0
 
 def issue_flops_per_token(seq: int) -> float:
     """6N + 12·L·h·s for Mistral-7B (N = 7,241,732,096, embeddings included): the issue's and the peer measurement's
-    count, so the MFU column compares with theirs (finetune.metrics counts the matmuls only, and attention exactly)."""
+    count, so the MFU column compares with theirs (finetune.run.metrics counts the matmuls only, and attention exactly)."""
     return 6 * 7_241_732_096 + 12 * 32 * 4096 * seq
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from finetune import logs
+from finetune.run import console
 
 USAGE = """usage: zerotune <command> [arguments]
 
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
-    logs.setup(command == "train" and "--verbose" in rest)  # before any command imports DeepSpeed, which logs then
+    console.setup(command == "train" and "--verbose" in rest)  # before any command imports DeepSpeed, which logs then
     # Each command's module is imported only when it runs: `zerotune --help` and `zerotune launch` stay fast, and no
     # command pays for another's imports (torch, DeepSpeed, matplotlib).
     if command == "train":
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     elif command == "launch":
         from finetune.multinode.launcher import main as run
     elif command == "export":
-        from finetune.export import main as run
+        from finetune.export.weights import main as run
     elif command == "preprocess":
         from finetune.commands.preprocess import main as run
     elif command == "compare":

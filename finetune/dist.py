@@ -14,7 +14,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from finetune import logs
+from finetune.run import console
 
 # torch and deepspeed are imported inside the functions that use them: the launcher (finetune/multinode) and the
 # tokenizer worker processes (finetune/data/cache.py) import this module and must start without them.
@@ -78,7 +78,7 @@ def init(timeout_minutes: float = 30.0) -> None:
         # without it each device_count() runs `numactl --hardware` in a subprocess, and ZeRO-3 asks once per
         # gradient bucket (a fork of the whole training process each time).
         os.environ.setdefault("LOCAL_SIZE", local)
-    with logs.quiet_stdout():  # DeepSpeed prints its CPU shm op's build line on every rank
+    with console.quiet_stdout():  # DeepSpeed prints its CPU shm op's build line on every rank
         deepspeed.init_distributed(
             dist_init_required=True,
             auto_mpi_discovery=False,

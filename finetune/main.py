@@ -12,9 +12,9 @@ if __name__ == "__main__":
     if sys.path and os.path.abspath(sys.path[0]) == here:
         sys.path[0] = os.path.dirname(here)
     # Imported after the sys.path fix, so that they and every library they import resolve without our shadows.
-    from finetune import logs
+    from finetune.run import console
 
-    logs.setup("--verbose" in sys.argv[1:])  # before DeepSpeed's import, which logs
+    console.setup("--verbose" in sys.argv[1:])  # before DeepSpeed's import, which logs
     from finetune.dist import exit_process
     from finetune.train import main
 

@@ -1,6 +1,6 @@
 """Everything a run checks before any process group or model exists: the recipe, the DeepSpeed JSON, the model
-folder, the tokenizer and data, the run folder (whose lock rank 0 takes: finetune/runlock.py) and the checkpoint to
-resume (against the recipe it was trained with: finetune/resume_check.py). A mistake here is a ConfigError that says
+folder, the tokenizer and data, the run folder (whose lock rank 0 takes: finetune/run/folder_lock.py) and the checkpoint to
+resume (against the recipe it was trained with: finetune/checkpoint/resume_check.py). A mistake here is a ConfigError that says
 what to fix, raised on every rank before any of them starts work.
 
     run = prepare("recipes/tiny.yaml", "ds_configs/zero2.json", ["train.max_steps=20"]); train(run)
@@ -15,15 +15,17 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
-from finetune import checkpoint, dist, parallel, resume_check, runlock
+from finetune import checkpoint, dist, parallel
+from finetune.checkpoint import resume_check
+from finetune.run import folder_lock
 from finetune.config import ConfigError, Recipe, load_recipe, recipe_to_dict, sections
 from finetune.data.registry import get_format, load_plugins
 from finetune.data.sources import READABLE
 from finetune.data.tokenizer import load_tokenizer
 from finetune.ds_config import emulated_bf16_note, resolve_ds_config
-from finetune.loggers import check_backends
+from finetune.run.trackers import check_backends
 from finetune.memory import budget
-from finetune.model import check_model_dir
+from finetune.model.build import check_model_dir
 from finetune.perf import liger as kernels, lora_dropout
 
 
@@ -43,7 +45,7 @@ class Run:
 
     def resolved_config(self) -> dict[str, Any]:
         """The recipe, DeepSpeed JSON and model shape as resolved, as checkpoints and the metric back-ends keep them
-        (a resume compares them: finetune/resume_check.py), and the data position a resume continues from."""
+        (a resume compares them: finetune/checkpoint/resume_check.py), and the data position a resume continues from."""
         t = self.recipe.train
         step, epoch, row = self.data_start
         return {"recipe": recipe_to_dict(self.recipe), "ds_config": self.ds,
@@ -102,7 +104,7 @@ def prepare(config: str | None, deepspeed_json: str, overrides: list[str]) -> Ru
     out = recipe.train.output_dir
     # Global rank 0 holds the folder for the run's life, before anything is read from or written to it: a second run
     # into it (fresh or resumed) stops here, having touched nothing. A failed check below gives the lock back at once.
-    lock = runlock.acquire(out) if dist.is_main() else None
+    lock = folder_lock.acquire(out) if dist.is_main() else None
     try:
         run = _check_output_and_resume(recipe, ds, model_config, plan)
     except Exception:
@@ -117,7 +119,7 @@ def _check_output_and_resume(recipe: Recipe, ds: dict[str, Any], model_config: d
     checkpoint to resume, checked against this recipe."""
     out = recipe.train.output_dir
     # Not content: other ranks' probes of the folder (check_output_dir's .write-test-* files) and the run's lock.
-    content = [f for f in os.listdir(out) if not f.startswith(checkpoint.WRITE_PROBE) and f != runlock.LOCK_FILE
+    content = [f for f in os.listdir(out) if not f.startswith(checkpoint.WRITE_PROBE) and f != folder_lock.LOCK_FILE
                ] if os.path.isdir(out) else []
     if content and not (recipe.train.overwrite or recipe.train.resume):
         raise ConfigError(f"train.output_dir {out!r} is not empty: choose a new one, pass train.resume=auto to "

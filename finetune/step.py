@@ -5,7 +5,7 @@
 
 A step runs each micro-batch's forward and backward, stops before the optimizer step if any rank's loss is not
 finite, steps, then builds the next step's micro-batches while the device still works, reducing their target count
-in the same collective as this step's sums, with each rank's note of a stopping signal (finetune/preempt.py), so
+in the same collective as this step's sums, with each rank's note of a stopping signal (finetune/run/preempt.py), so
 that every rank stops after the same step. Every rank runs the same collectives in the same order.
 """
 
@@ -17,18 +17,19 @@ from typing import Any
 
 import torch
 
-from finetune import checkpoint, dist, parallel, preempt
+from finetune import checkpoint, dist, parallel
+from finetune.run import preempt
 from finetune.config import Recipe
 from finetune.data.loader import StepLoader, eval_micro_batches
 from finetune.data.samples import TokenizedData
 from finetune.ds_config import zero_stage
-from finetune.loss import micro_batch_loss_sum, token_loss_sum
-from finetune.metrics import peak_memory_gib, peak_reserved_gib, peak_tflops, training_flops
-from finetune.optim import clip_grad_norm_exact
+from finetune.model.loss import micro_batch_loss_sum, token_loss_sum
+from finetune.run.metrics import peak_memory_gib, peak_reserved_gib, peak_tflops, training_flops
+from finetune.model.optim import clip_grad_norm_exact
 from finetune.parallel.ulysses import sharded
 from finetune.perf.profiling import phase, step_profiler
 from finetune.prepare import Run
-from finetune.progress import PROGRESS
+from finetune.run.activity import ACTIVITY
 
 
 class TrainingError(RuntimeError):
@@ -92,10 +93,10 @@ def train_step(loop: Loop, step: int, upcoming: tuple | None) -> tuple[StepResul
     as the previous call returned it (None for the first step of a run)."""
     r, engine = loop.run.recipe, loop.engine
     start = time.perf_counter()
-    PROGRESS.start_step(step + 1)
+    ACTIVITY.start_step(step + 1)
     lr = loop.optimizer.param_groups[0]["lr"]
     if upcoming is None:
-        PROGRESS.mark("data")
+        ACTIVITY.mark("data")
         micro_batches = loop.loader.step(step)
         n_targets = float(dist.all_reduce_sum(_target_count(micro_batches)))
     else:
@@ -106,12 +107,12 @@ def train_step(loop: Loop, step: int, upcoming: tuple | None) -> tuple[StepResul
             sharded(engine.module, loop.sp_degree > 1):
         for i, mb in enumerate(micro_batches):
             with phase("forward"):
-                PROGRESS.mark("forward", i)
+                ACTIVITY.mark("forward", i)
                 token_sum = micro_batch_loss_sum(engine, mb, loop.device, r.model.fused_loss)
                 losses.append(token_sum.detach())
                 watch = NonfiniteWatch(losses) if i == len(micro_batches) - 1 else None
             with phase("backward"):
-                PROGRESS.mark("backward", i)
+                ACTIVITY.mark("backward", i)
                 # DeepSpeed divides by grad_accum and averages over ranks (every rank, sequence-parallel ones too:
                 # finetune/parallel/groups.py); undo both so the step's gradient is sum(token losses of the whole
                 # global batch) / (its number of target tokens). Under sequence parallelism each target token is in
@@ -123,7 +124,7 @@ def train_step(loop: Loop, step: int, upcoming: tuple | None) -> tuple[StepResul
                 if watch is not None and watch.found():
                     _stop_on_nonfinite(engine, loop.run, step, micro_batches, losses)
             with phase("optimizer step"):
-                PROGRESS.mark("optimizer step", i)
+                ACTIVITY.mark("optimizer step", i)
                 if loop.own_clipping and engine.is_gradient_accumulation_boundary():
                     grad_norm = clip_grad_norm_exact(engine.module.parameters(), r.optim.grad_clip)
                 engine.step()
@@ -131,14 +132,14 @@ def train_step(loop: Loop, step: int, upcoming: tuple | None) -> tuple[StepResul
     # micro-batches now, and reduce their target count with this step's sums in one collective, so the next
     # step's first kernel follows this step's last without the device waiting for the host. The signal votes ride
     # in the same collective: a signal reaches the ranks at different moments, the sum reaches them all alike.
-    PROGRESS.mark("data")
+    ACTIVITY.mark("data")
     following = loop.loader.step(step + 1) if step + 1 < loop.end_step else None
     # A row's tokens and FLOPs once, by the first rank of its sequence-parallel group (every rank of it holds the row).
     lengths = [int(n) for mb in micro_batches for n in mb["sample_lengths"]] if loop.sp_rank == 0 else []
     local = torch.tensor([sum(lengths), training_flops(engine.module.config, lengths), _target_count(following or []),
                           *preempt.votes()], dtype=torch.float64, device=losses[0].device)
     loss_sum = torch.stack(losses).double().sum().reshape(1)
-    PROGRESS.mark("step sums")
+    ACTIVITY.mark("step sums")
     loss_sum, tokens, flops, next_targets, *votes = dist.all_reduce_sum(torch.cat([loss_sum, local])).tolist()
     seconds = time.perf_counter() - start
     if not loop.own_clipping:
@@ -233,7 +234,7 @@ def evaluate(engine, data, recipe: Recipe, world: int, rank: int, pad_id: int, d
         for i, mb in enumerate(eval_micro_batches(data, recipe.train.micro_batch_size, world // degree, dp_rank,
                                                   recipe.data.max_seq_len, recipe.data.packing, pad_id,
                                                   (degree, sp_rank))):
-            PROGRESS.mark("eval", i)  # each micro-batch is progress: an eval may take many steps' time
+            ACTIVITY.mark("eval", i)  # each micro-batch is progress: an eval may take many steps' time
             logits = engine(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device)).logits
             s, n = token_loss_sum(logits, mb["targets"].to(device))  # eval keeps the plain path: no backward
             total += s.double().cpu()

@@ -21,23 +21,27 @@ import deepspeed
 import torch
 import yaml
 
-from finetune import checkpoint, dist, logs, parallel, perf, preempt, runlock, watchdog
-from finetune import resume_check
+from finetune import checkpoint, dist, parallel, perf
+from finetune.run import console
+from finetune.run import preempt
+from finetune.run import folder_lock
+from finetune.run import watchdog
+from finetune.checkpoint import resume_check
 from finetune.config import ConfigError, recipe_to_dict
 from finetune.data import ReportedElsewhere, build_datasets
 from finetune.data.loader import StepLoader
 from finetune.data.samples import TokenizedData
 from finetune.data.tokenizer import load_tokenizer
 from finetune.ds_config import engine_config, nvme_swap_dirs, zero_stage
-from finetune.export import export_engine
-from finetune.generate import answer
+from finetune.export.weights import export_engine
+from finetune.model.generate import answer
 from finetune.memory.budget import enforce
-from finetune.metrics import METRICS_FILE, MetricsLog, truncate_metrics
-from finetune.model import build_model, trainable_parameters
-from finetune.optim import build_optimizer
+from finetune.run.metrics import METRICS_FILE, MetricsLog, truncate_metrics
+from finetune.model.build import build_model, trainable_parameters
+from finetune.model.optim import build_optimizer
 from finetune.parallel import groups as sp_groups, ulysses
 from finetune.prepare import Run, parse_args, prepare
-from finetune.progress import PROGRESS
+from finetune.run.activity import ACTIVITY
 from finetune.step import Loop, TrainingError, evaluate, step_record, train_step
 
 # What callers import from here, though defined beside it (prepare: the checks before any process group; step: the
@@ -73,7 +77,7 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
     # 6. Resume: the checkpoint's engine, optimizer, schedule and RNG; its step is the data position
     start_step = _resume(run, engine, optimizer, scheduler)
     # 7. Train: the steps, with metrics, eval and checkpoints at their cadence; 8. End: the last sample, the export
-    #    and on_end. The stall watchdog watches both: a rank that hangs ends the run, named (finetune/watchdog.py).
+    #    and on_end. The stall watchdog watches both: a rank that hangs ends the run, named (finetune/run/watchdog.py).
     loop = Loop(run, engine, optimizer, loader, eval_data, tokenizer)
     with watchdog.watching(run.recipe.train.output_dir, run.recipe.train.stall_timeout_s):
         records, samples = _train_loop(loop, start_step)
@@ -236,7 +240,7 @@ def _train_loop(loop: Loop, start_step: int) -> tuple[list[dict[str, Any]], list
     with preempt.watching():
         for step in range(start_step, loop.end_step):
             result, upcoming = train_step(loop, step, upcoming)
-            PROGRESS.step_done(step + 1, result.seconds)
+            ACTIVITY.step_done(step + 1, result.seconds)
             records.append(step_record(step + 1, result, loop.world, loop.peak_tflops))
             log.write(records[-1])
             if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
@@ -245,14 +249,14 @@ def _train_loop(loop: Loop, start_step: int) -> tuple[list[dict[str, Any]], list
             stop = "" if last else result.stop  # a signal in the last step: the run ends there as planned
             # A stop skips the eval: the time before the job is killed is the save's.
             if loop.eval_data is not None and not stop and ((t.eval_every and (step + 1) % t.eval_every == 0) or last):
-                PROGRESS.mark("eval")
+                ACTIVITY.mark("eval")
                 eval_loss = evaluate(engine, loop.eval_data, run.recipe, loop.world, loop.rank, loop.tokenizer.pad_id,
                                      loop.device)
                 records.append({"step": step + 1, "eval_loss": eval_loss})
                 log.write(records[-1])
                 dist.print0(f"eval at step {step + 1}: loss {eval_loss:.4f}")
             if (t.save_every > 0 and ((step + 1) % t.save_every == 0 or last)) or stop:
-                PROGRESS.mark("save")
+                ACTIVITY.mark("save")
                 try:
                     path = checkpoint.save(engine, t.output_dir, step + 1, t.keep_last, run.resolved_config())
                 except checkpoint.SaveError as e:  # raised on every rank alike (a full disk): the run ends, exit 3
@@ -270,7 +274,7 @@ def _sample(loop: Loop, step: int) -> list[dict[str, Any]]:
     t = loop.run.recipe.train
     if not t.sample_prompt:
         return []
-    PROGRESS.mark("sample")
+    ACTIVITY.mark("sample")
     text = answer(loop.engine.module, loop.tokenizer, t.sample_prompt, t.sample_max_new_tokens, synced_gpus=loop.synced)
     dist.print0(f"sample at step {step}: {t.sample_prompt!r} -> {text!r}")
     return [{"step": step, "prompt": t.sample_prompt, "answer": text}]
@@ -284,20 +288,20 @@ def _finish(loop: Loop, samples: list[dict[str, Any]], on_end) -> None:
         with open(os.path.join(t.output_dir, "samples.jsonl"), "w") as f:
             f.writelines(json.dumps(s) + "\n" for s in samples)
     if t.export:
-        PROGRESS.mark("export")
+        ACTIVITY.mark("export")
         path = export_engine(loop.engine, os.path.join(t.output_dir, "export"), loop.tokenizer,
                              loop.run.recipe.lora.enabled)
         dist.print0(f"exported {path}")
     if on_end is not None:
-        PROGRESS.mark("on_end")
+        ACTIVITY.mark("on_end")
         on_end(loop.engine)
-    PROGRESS.mark("finish")
+    ACTIVITY.mark("finish")
     dist.barrier()
 
 
 def _release(engine, keepalive) -> None:
     """Free the engine and end zero.Init's hold on transformers, so a later run in this process starts clean."""
-    # Lazy: transformers loads when the model is built (finetune/model.py); a recipe error is answered without it.
+    # Lazy: transformers loads when the model is built (finetune/model/build.py); a recipe error is answered without it.
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     if hasattr(engine, "destroy"):
@@ -321,7 +325,7 @@ def _remove_swap(ds: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    logs.setup(args.verbose)
+    console.setup(args.verbose)
     dist.adopt_openmpi_env()  # under mpirun, WORLD_SIZE must be known before the DeepSpeed JSON is resolved
     try:
         run = prepare(args.config, args.deepspeed, args.overrides)
@@ -353,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         # Here too: finetune/main.py ends the process with os._exit, which skips atexit. Before shutdown's barrier:
         # once a rank exits with an error, DeepSpeed's launcher stops the others, the lock holder among them.
-        runlock.release_all()
+        folder_lock.release_all()
         dist.shutdown()
         if stopped is not None:  # only now: a signal while the ranks leave together must not kill a saved run
             stopped.restore_signals()
@@ -361,5 +365,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _resume_command(run: Run, argv: list[str], stop_at_ended: bool) -> str:
-    """The command that continues this run, as this rank was started (finetune/preempt.py resume_command)."""
+    """The command that continues this run, as this rank was started (finetune/run/preempt.py resume_command)."""
     return preempt.resume_command(sys.argv[0], argv, run.recipe.train.output_dir, stop_at_ended=stop_at_ended)

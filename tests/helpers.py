@@ -67,12 +67,12 @@ def save_tiny_model(dest: str, seed: int = 0, config_dir: str = SMALL_VOCAB, **s
     """A random-init tiny Mistral saved with save_pretrained: the real from_pretrained path, one init for everyone.
     By default the small-vocabulary one (train it with `model.tokenizer={SMALL_VOCAB}`); config_dir=dirname(TINY_CONFIG)
     gives the 32,000-token one; `shape` overrides config keys (num_hidden_layers=4). Its weights are those a run draws
-    from config_dir with model.init_seed=seed (finetune/init_weights.py), so a saved model and a random-init run start
+    from config_dir with model.init_seed=seed (finetune/model/init_weights.py), so a saved model and a random-init run start
     alike."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.init_weights import initialize
+    from finetune.model.init_weights import initialize
 
     if os.path.exists(os.path.join(dest, "model.safetensors")):
         return dest

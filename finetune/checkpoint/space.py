@@ -12,7 +12,7 @@ from typing import Any
 
 from finetune.checkpoint.layout import complete_checkpoints, human, saved_step
 from finetune.config import ConfigError, TrainConfig
-from finetune.metrics import matmul_params
+from finetune.run.metrics import matmul_params
 
 WRITE_PROBE = ".write-test-"
 

@@ -28,8 +28,8 @@ from finetune.checkpoint import MARKER, STEP_DIR, find_latest
 from finetune.config import ConfigError
 from finetune.data.template import Message, encode_prompt
 from finetune.data.tokenizer import load_tokenizer
-from finetune.generate import reply
-from finetune.model import has_weights
+from finetune.model.generate import reply
+from finetune.model.build import has_weights
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
@@ -71,9 +71,9 @@ def _resolve(path: str, workdir: str | None) -> str:
     if checkpoint is None:
         raise ChatError(f"{path!r} is not a run folder with export/ or a complete checkpoint (checkpoints/step_*/{MARKER}), "
                         f"an HF model folder (config.json) or a LoRA adapter folder (adapter_config.json)")
-    # lazy: finetune.export imports deepspeed, which logs to stdout as it loads; by now main() sends stdout to stderr,
+    # lazy: finetune.export.weights imports deepspeed, which logs to stdout as it loads; by now main() sends stdout to stderr,
     # so a one-shot answer stays alone on stdout
-    from finetune.export import export_checkpoint
+    from finetune.export.weights import export_checkpoint
 
     print(f"exporting {checkpoint} to a temporary folder", file=sys.stderr)
     # Not merged: a LoRA checkpoint becomes base + adapter, computed as in training, rather than merged weights

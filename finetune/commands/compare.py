@@ -7,7 +7,7 @@ with --offload) on 127.0.0.1, its run folder DIR/<name>. DIR gets summary.md and
 throughput_memory.png and loss_curves.png (skipped with a note without matplotlib, the `plot` extra). A stage whose
 losses differ from the first stage's by more than the tolerance is flagged: every stage trains the same model on the
 same data in the same order, so its losses must agree up to rounding. A recipe without weights (config.json only) is
-no exception: its random init is drawn the same under every stage (finetune/init_weights.py).
+no exception: its random init is drawn the same under every stage (finetune/model/init_weights.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from finetune.commands.plot import INSTALL_HINT, MissingMatplotlib, plot_runs, p
 from finetune.config import ConfigError, load_recipe
 from finetune.ds_config import offloads_optimizer, zero_stage
 from finetune.memory.budget import describe_checkpointing
-from finetune.metrics import METRICS_FILE, read_metrics
+from finetune.run.metrics import METRICS_FILE, read_metrics
 from finetune.memory.estimate import GIB, estimate_run
 
 OWNED = ("train.output_dir", "train.max_steps")  # compare sets these; --out and --steps say them once for every stage
@@ -67,9 +67,9 @@ def build_runs(stages: list[int], offload: bool, budgets: list[float] | None = N
 
 def check_recipe(config: str | None, overrides: list[str]) -> None:
     """The recipe loads and its model folder has a config.json: checked once, before any stage is launched."""
-    # lazy: torch and transformers (finetune.model imports both) are slow to import; `zerotune compare --help` does
+    # lazy: torch and transformers (finetune.model.build imports both) are slow to import; `zerotune compare --help` does
     # without them
-    from finetune.model import check_model_dir
+    from finetune.model.build import check_model_dir
 
     check_model_dir(load_recipe(config, overrides).model)
 
@@ -129,7 +129,7 @@ def what_ran(run_dir: str) -> dict[str, Any]:
 
 def estimated_gib(run_dir: str, world: int) -> float | None:
     """finetune.memory.estimate's per-GPU total for the run's own resolved recipe.yaml and ds_config.json."""
-    from finetune.model import check_model_dir  # lazy: it imports torch (see check_recipe)
+    from finetune.model.build import check_model_dir  # lazy: it imports torch (see check_recipe)
 
     recipe = load_recipe(os.path.join(run_dir, "recipe.yaml"))
     with open(os.path.join(run_dir, "ds_config.json")) as f:

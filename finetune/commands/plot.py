@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Any
 
-from finetune.metrics import METRICS_FILE, MetricsError, read_metrics
+from finetune.run.metrics import METRICS_FILE, MetricsError, read_metrics
 
 # (panel title, y label, series drawn in it: (metrics key, line style, legend suffix))
 PANELS = [

@@ -110,7 +110,7 @@ def precision_bytes(ds: dict[str, Any], stage: int) -> tuple[int, int, int]:
     """(weight, activation, LoRA adapter) bytes under a DeepSpeed JSON.
 
     bf16 weights, except zerotune's ZeRO-0 whose bf16 is torch autocast over fp32 weights (DeepSpeed's bf16 at stage 0
-    accumulates gradients in bf16, which zerotune refuses). LoRA adapters follow the weights (finetune/model.py casts
+    accumulates gradients in bf16, which zerotune refuses). LoRA adapters follow the weights (finetune/model/build.py casts
     them under ZeRO-3, where DeepSpeed would leave peft's fp32).
     """
     bf16 = ds.get("bf16", {}).get("enabled") is True or ds.get("torch_autocast", {}).get("enabled") is True

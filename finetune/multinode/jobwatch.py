@@ -1,6 +1,6 @@
 """Run a launch command and watch it: echo its output, and when one rank is lost, name its rank and host, give the
 others a grace period, then stop this job's processes on every host. SIGTERM or SIGUSR1 (Slurm's `--signal`, a
-scheduler's stop) is passed on to the ranks alone, which save and exit 0 (finetune/preempt.py); Ctrl-C stops the job.
+scheduler's stop) is passed on to the ranks alone, which save and exit 0 (finetune/run/preempt.py); Ctrl-C stops the job.
 
     code = run_job(plan, grace=20.0)   # plan: finetune.multinode.plan.LaunchPlan
 """
@@ -180,7 +180,7 @@ def forward_signal(plan: LaunchPlan, signum: int) -> None:
 
 def signal_report(answers: dict[str, str]) -> list[str]:
     """What to print after forwarding a signal, from each host's answer ('' = reached). The ranks stop together
-    (finetune/preempt.py: one rank's note reaches all of them in the step's sums), so once a host's ranks got the
+    (finetune/run/preempt.py: one rank's note reaches all of them in the step's sums), so once a host's ranks got the
     signal, another host whose ranks have already ended (they saved and left at that step while its signal was still
     on its way) is no problem; when no host was reached, every host's answer is one."""
     reached = any(problem == "" for problem in answers.values())
@@ -226,7 +226,7 @@ class JobWatch:
     _MPI_NAME = re.compile(r"Process name:\s+\[\[\d+,\d+\],(\d+)\]")
     _MPI_CODE = re.compile(r"Exit code:\s+(\d+)")
     _SRUN = re.compile(r"srun: error: (\S+): tasks? [\d,-]+: (.+)")
-    # A rank's stall watchdog (finetune/watchdog.py) naming a rank that is stuck; the launcher adds its host.
+    # A rank's stall watchdog (finetune/run/watchdog.py) naming a rank that is stuck; the launcher adds its host.
     _STALL = re.compile(r"zerotune: stall: rank (\d+) \(host \S+, pid \d+\) (.+)$")
     _PEER_GONE = re.compile(r"^(\S+): .*(Connection (closed|reset) by peer|Broken pipe|NCCL.*(abort|[Ww]atchdog))")
 

@@ -8,7 +8,7 @@ transformers', liger's, finetune/perf/fused_mlp.py's, with peft's or fused LoRA 
 of tokens after another under no_grad, and only its input is kept. Backward runs each tile's forward again with
 autograd on and differentiates it at once, so no [row, intermediate] tensor ever exists, in forward or backward: only
 one tile's. The price is one more MLP forward per step. A recomputed layer's MLP adds none: the layer's recomputation
-only rebuilds the MLP's input, so the tiles are skipped there (finetune/recompute.py).
+only rebuilds the MLP's input, so the tiles are skipped there (finetune/model/recompute.py).
 
 The tile is TILE_TOKENS tokens: Mistral-7B's hidden size, DeepSpeed ALST's choice (its TiledMLP uses hidden_size
 tokens), which makes a tile's [tile, intermediate] tensor the size of one MLP weight and keeps its GEMMs large enough
@@ -42,7 +42,7 @@ import math
 
 import torch
 
-from finetune.recompute import recomputing
+from finetune.model.recompute import recomputing
 
 TILE_TOKENS = 4096
 """Tokens per tile (an upper bound: a call's tokens are split into equal tiles of at most this many)."""

@@ -23,8 +23,8 @@ import torch  # noqa: E402
 from finetune import dist, perf  # noqa: E402
 from finetune.config import load_recipe  # noqa: E402
 from finetune.ds_config import engine_config, resolve_ds_config  # noqa: E402
-from finetune.model import build_model  # noqa: E402
-from finetune.optim import build_optimizer  # noqa: E402
+from finetune.model.build import build_model  # noqa: E402
+from finetune.model.optim import build_optimizer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -21,7 +21,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 
 from finetune import checkpoint, dist  # noqa: E402
 from finetune.checkpoint import portable  # noqa: E402
-from finetune.export import export_engine  # noqa: E402
+from finetune.export.weights import export_engine  # noqa: E402
 from finetune.data.tokenizer import load_tokenizer  # noqa: E402
 from finetune.train import prepare, train  # noqa: E402
 from tests.helpers import SMALL_VOCAB, TINY_RECIPE, driver_main  # noqa: E402

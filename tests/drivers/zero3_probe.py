@@ -15,7 +15,7 @@ skip_shm_build()
 from finetune import dist, perf  # noqa: E402
 from finetune.config import load_recipe  # noqa: E402
 from finetune.ds_config import resolve_ds_config  # noqa: E402
-from finetune.model import build_model, resident_parameter_elements, trainable_parameters  # noqa: E402
+from finetune.model.build import build_model, resident_parameter_elements, trainable_parameters  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -1,4 +1,4 @@
-"""Long rows on a GPU: checkpoint offload (finetune/checkpoint_offload.py) moves each layer's input off the device and
+"""Long rows on a GPU: checkpoint offload (finetune/model/activation_offload.py) moves each layer's input off the device and
 changes no gradient; the tiled MLP (finetune/perf/tiled_mlp.py) cuts the step's peak memory, keeps the gradients of
 the untiled bf16 model and runs no tile in a layer's recomputation. Needs CUDA; CI (CPU) skips it. The lead's GPU call runs it:
 
@@ -22,7 +22,7 @@ HIDDEN, INTERMEDIATE, LAYERS, TOKENS = 1024, 3584, 4, 16384
 def _model(checkpointing: str):
     from transformers import MistralConfig, MistralForCausalLM
 
-    from finetune.model import _enable_checkpointing
+    from finetune.model.build import _enable_checkpointing
 
     cfg = MistralConfig(vocab_size=128, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
                         num_attention_heads=8, num_key_value_heads=4, head_dim=128, max_position_embeddings=TOKENS,
@@ -78,7 +78,7 @@ def test_tiled_mlp_lowers_the_peak_and_keeps_the_bf16_gradients():
     # one layer's recomputed MLP keeps gate and up (and rebuilds the product): 2 x tokens x intermediate bf16 values
     assert peaks["plain"] - peaks["tiled"] >= TOKENS * INTERMEDIATE * 2 * 2 * 0.8, peaks
     # Every layer recomputed: its tiles run in forward and in backward, not in the layer's recomputation, which runs
-    # on autograd's device thread (finetune/recompute.py marks it there)
+    # on autograd's device thread (finetune/model/recompute.py marks it there)
     tiles = [n for log in logs for n in log]
     assert tiles == [HIDDEN] * (TOKENS // HIDDEN) * 2 * LAYERS, len(tiles)
     for name, g in grads["plain"].items():

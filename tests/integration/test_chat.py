@@ -11,7 +11,7 @@ import pytest
 
 from finetune.commands import chat
 from finetune.data.template import Message
-from finetune.generate import answer, reply
+from finetune.model.generate import answer, reply
 from tests.helpers import TINY_CONFIG, ROOT, TINY_RECIPE, ds_variant, loopback_env, run_ranks, save_tiny_model
 
 PROMPT = "What does ZeRO stage 3 partition?"

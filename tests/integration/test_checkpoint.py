@@ -241,7 +241,7 @@ def test_offline_export_of_a_checkpoint(runs, tmp_path, lora):
     """`zerotune export RUN_DIR --out DIR [--merge]` from the resumed run's last checkpoint = the straight run's engine."""
     from transformers import AutoModelForCausalLM
 
-    from finetune.export import main as export_main
+    from finetune.export.weights import main as export_main
 
     tmp, _, _ = runs
     n = name(3, lora, False)
@@ -295,7 +295,7 @@ def test_kill_9_then_resume_continues_the_uninterrupted_curve(runs, tmp_path, mo
     resumed_from = int(last.rsplit("_", 1)[1])
     assert resumed_from == 2 if moment == "saving" else resumed_from >= 4
     # At once, as a quick retry would: a killed rank's lock, held until a write it was in has ended, is waited for
-    # (finetune/runlock.py: RELEASE_WAIT_S).
+    # (finetune/run/folder_lock.py: RELEASE_WAIT_S).
     run_ranks(2, "finetune/main.py", args + ["train.resume=auto"], timeout=600)
     metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))

@@ -51,7 +51,7 @@ def test_every_stage_ran_from_one_init_and_losses_agree(compared):
     runs = {r["name"]: r for r in summary["runs"]}
     assert list(runs) == STAGES
     assert summary["tolerance"] == 2e-2  # ds_configs are bf16
-    # tiny has no weights: every stage draws the same random init itself (finetune/init_weights.py), none is saved
+    # tiny has no weights: every stage draws the same random init itself (finetune/model/init_weights.py), none is saved
     assert "init_model" not in summary and not (out / "init_model").exists()
     for name, run in runs.items():
         steps = [json.loads(line) for line in open(out / name / "metrics.jsonl")]

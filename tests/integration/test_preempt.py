@@ -1,4 +1,4 @@
-"""Save on preemption (finetune/preempt.py) on 2 real ranks, CPU and gloo on loopback, ZeRO-3 fp32, tiny model.
+"""Save on preemption (finetune/run/preempt.py) on 2 real ranks, CPU and gloo on loopback, ZeRO-3 fp32, tiny model.
 
 Runs 1 and 2 go through `zerotune launch`: on two loopback "nodes" through pdsh where sshd and pdsh exist (as in
 CI), else on this machine (hostfiles/localhost). max_steps is far away; a checkpoint every 3 steps, all kept.

@@ -2,7 +2,7 @@
 loopback): two runs started into one folder at the same moment (one trains, the other is refused naming it); a
 train.resume=auto run started while the first is training, after its first checkpoint (refused; nothing of the
 running job touched); then the finished run's checkpoint resumed with a parameter-altering change (refused, nothing
-written) and with a safe one (allowed, listed). The lock and comparison logic alone: tests/unit/test_runlock.py,
+written) and with a safe one (allowed, listed). The lock and comparison logic alone: tests/unit/test_folder_lock.py,
 tests/unit/test_resume_check.py."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import time
 
 import pytest
 
-from finetune import checkpoint, runlock
+from finetune import checkpoint
+from finetune.run import folder_lock
 from finetune.config import ConfigError
 from tests.helpers import ROOT, SMALL_VOCAB, TINY_RECIPE, free_port, loopback_env, save_tiny_model
 
@@ -53,7 +54,7 @@ def raced(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("run_folder")
     model = save_tiny_model(str(tmp / "model"))
     out = tmp / "run"
-    lock_file = out / runlock.LOCK_FILE
+    lock_file = out / folder_lock.LOCK_FILE
     procs = [_start(model, out), _start(model, out)]
     locked_at = loser = None
     deadline = time.monotonic() + 300
@@ -112,7 +113,7 @@ def test_the_running_job_ends_whole_and_gives_its_folder_back(raced):
     assert saved == list(range(SAVE_EVERY, STEPS + 1, SAVE_EVERY))
     first = {k: v for k, v in raced["paused"].items() if k.startswith(os.path.relpath(raced["first"], out))}
     assert first and all(_snapshot(out)[k] == v for k, v in first.items())  # the first checkpoint as written
-    assert not (out / runlock.LOCK_FILE).exists()  # released at the end of a normal run
+    assert not (out / folder_lock.LOCK_FILE).exists()  # released at the end of a normal run
     assert "took over" not in raced["winner_log"]
 
 
@@ -131,7 +132,7 @@ def test_resume_with_lora_flipped_is_refused_and_writes_nothing(raced):
         _prepare(raced, "lora.enabled=true")
     rows = [line.split() for line in str(e.value).splitlines()]
     assert ["lora.enabled", "false", "true"] in rows and len(rows) == 4  # message, header, the one row, what to do
-    assert _snapshot(raced["out"]) == before and not (raced["out"] / runlock.LOCK_FILE).exists()
+    assert _snapshot(raced["out"]) == before and not (raced["out"] / folder_lock.LOCK_FILE).exists()
 
 
 def test_resume_with_another_layer_count_is_refused(raced):
@@ -150,7 +151,7 @@ def test_resume_with_another_lr_is_allowed_and_the_change_listed(raced, capsys):
         run = _prepare(raced, "optim.lr=1e-3")
         assert run.resume_from.endswith(f"step_{STEPS:08d}")
     finally:
-        runlock.release_all()
+        folder_lock.release_all()
     printed = capsys.readouterr().out
     assert "with these settings changed (none alters the parameters)" in printed
     assert ["optim.lr", "0.005", "0.001"] in [line.split() for line in printed.splitlines()]

@@ -1,4 +1,4 @@
-"""The stall watchdog (finetune/watchdog.py) on real ranks, CPU and gloo on loopback, train.stall_timeout_s=8.
+"""The stall watchdog (finetune/run/watchdog.py) on real ranks, CPU and gloo on loopback, train.stall_timeout_s=8.
 
 Run 1: rank 1 of 2 stopped with SIGSTOP after a checkpoint ends the run within the timeout + 30 s: the running rank
 exits with code 4, its stack file written, its summary naming the stopped rank and the phase of that rank's last

@@ -58,7 +58,7 @@ def test_every_saved_file_is_in_the_manifest_and_verifies(damaged):
 
 
 def test_export_refuses_the_truncated_checkpoint(damaged, capsys):
-    from finetune.export import main as export_main
+    from finetune.export.weights import main as export_main
 
     newest, size = damaged["newest"], damaged["size"]
     out = damaged["tmp"] / "exported"

@@ -179,7 +179,7 @@ def test_resolve():
 def test_the_switch_installs_it_on_that_model_only_peft_wrapped_too(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from finetune.model import build_model
+    from finetune.model.build import build_model
 
     _config(WINDOW).save_pretrained(str(tmp_path))
     stage2 = {"bf16": {"enabled": False}, "zero_optimization": {"stage": 2}}

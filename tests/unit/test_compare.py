@@ -93,7 +93,7 @@ def test_with_matplotlib_the_summary_names_the_plots(tmp_path, capsys):
 
 
 def test_a_random_init_recipe_runs_as_given_and_a_missing_model_is_refused_before_any_launch(tmp_path, capsys):
-    """No init is saved for a config-only model (every stage draws the same one, finetune/init_weights.py): each stage's
+    """No init is saved for a config-only model (every stage draws the same one, finetune/model/init_weights.py): each stage's
     command line carries the user's model.path; a model folder that does not exist ends compare before a launch."""
     from finetune.commands.compare import main, parse_args, run_command
     from tests.helpers import SMALL_VOCAB

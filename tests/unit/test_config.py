@@ -10,7 +10,7 @@ import torch
 from finetune.config import ConfigError, Recipe, load_recipe
 from finetune import ds_config
 from finetune.ds_config import emulated_bf16_note, engine_config, resolve_ds_config
-from finetune.optim import lr_lambda
+from finetune.model.optim import lr_lambda
 from finetune.train import prepare
 from tests.helpers import ROOT, TINY_RECIPE
 

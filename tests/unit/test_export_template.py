@@ -1,7 +1,7 @@
 """The exported tokenizer folder, loaded by transformers' AutoTokenizer, gives through `apply_chat_template` exactly the
 ids zerotune trains on (every chat record shipped in recipes/data, through each chat format) and prompts with.
 
-The folder is written by the export's own tokenizer writer (finetune/export_tokenizer.py, which export_module calls)
+The folder is written by the export's own tokenizer writer (finetune/export/tokenizer.py, which export_module calls)
 for the real Mistral-7B tokenizer; no model is trained. The integration half: tests/integration/test_export_run.py.
 """
 
@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from finetune.data.registry import Encoder, get_format
 from finetune.data.template import Message, encode_prompt
 from finetune.data.tokenizer import builtin_tokenizer_dir, load_tokenizer
-from finetune.export_tokenizer import write_tokenizer
+from finetune.export.tokenizer import write_tokenizer
 from tests.helpers import ROOT
 
 DATA = os.path.join(ROOT, "recipes", "data")

@@ -107,7 +107,7 @@ def test_installed_only_where_down_proj_is_a_plain_linear():
 def test_recipe_switch(tmp_path):
     from finetune import perf
     from finetune.config import load_recipe
-    from finetune.model import build_model
+    from finetune.model.build import build_model
 
     model_dir = save_tiny_model(str(tmp_path / "model"))
     for on, expected in ((True, True), (False, False)):

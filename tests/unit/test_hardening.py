@@ -186,7 +186,7 @@ FAULTS = [
           covered_by="tests/integration/test_run_folder.py::test_two_runs_started_together_one_trains_the_other_is_refused_naming_it",
           fix="wait for that run or stop it, or choose another train.output_dir"),
     Fault("stale-run-lock", "the lock file of a run that was killed", r"took over the lock of a run that is gone",
-          covered_by="tests/unit/test_runlock.py::test_second_run_is_refused_then_takes_over_once_the_holder_is_killed",
+          covered_by="tests/unit/test_folder_lock.py::test_second_run_is_refused_then_takes_over_once_the_holder_is_killed",
           fix="nothing: the new run takes the folder over"),
     Fault("resume-changes-parameters", "a resume whose recipe changes the parameters",
           r"was trained with other parameters than this recipe builds",

@@ -1,4 +1,4 @@
-"""finetune/init_weights.py: a parameter's values depend on the seed and its name only, not on which slice of it a rank
+"""finetune/model/init_weights.py: a parameter's values depend on the seed and its name only, not on which slice of it a rank
 draws (ZeRO-3's partitions on 1, 2 or 3 ranks, cut anywhere across the blocks); the distributions are transformers'
 (normal with the config's initializer_range, ones for norms, a zero padding row); an unknown parameter is an error.
 The same values on ZeRO-2 and ZeRO-3 training runs: tests/integration/test_init_parity.py."""
@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from finetune import init_weights
+from finetune.model import init_weights
 from finetune.config import ConfigError
-from finetune.init_weights import BLOCK, draw, initialize, partition_range
+from finetune.model.init_weights import BLOCK, draw, initialize, partition_range
 from tests.helpers import SMALL_VOCAB
 
 
@@ -131,7 +131,7 @@ def test_a_saved_tiny_model_is_the_random_init_a_run_builds(tmp_path):
     from safetensors.torch import load_file
 
     from finetune.config import load_recipe
-    from finetune.model import build_model
+    from finetune.model.build import build_model
     from tests.helpers import TINY_RECIPE, save_tiny_model
 
     saved = load_file(os.path.join(save_tiny_model(str(tmp_path / "model"), seed=7), "model.safetensors"))

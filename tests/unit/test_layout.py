@@ -19,8 +19,8 @@ MAX_LINES = 400
 # What each room may import from the package, besides itself (prefix match on dotted module names).
 MULTINODE_MAY_IMPORT = ("finetune.config", "finetune.dist", "finetune.shipped", "finetune.multinode",
                         "finetune.parallel.degree")  # torch-free, as finetune/parallel/__init__.py is
-DATA_MAY_NOT_IMPORT = ("finetune.model", "finetune.perf", "finetune.train", "finetune.optim", "finetune.loss",
-                       "finetune.checkpoint", "finetune.export", "finetune.memory", "finetune.multinode",
+DATA_MAY_NOT_IMPORT = ("finetune.model.build", "finetune.perf", "finetune.train", "finetune.model.optim", "finetune.model.loss",
+                       "finetune.checkpoint", "finetune.export.weights", "finetune.memory", "finetune.multinode",
                        "finetune.commands")
 
 

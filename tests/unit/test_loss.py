@@ -9,7 +9,7 @@ tests/integration/test_parity.py; fused on vs off under ZeRO-3 on 2 ranks is tes
 import pytest
 import torch
 
-from finetune.loss import token_loss_sum
+from finetune.model.loss import token_loss_sum
 from finetune.perf.fused_loss import fused_loss, install_fused_loss, linear_cross_entropy_sum
 from tests.helpers import TINY_RECIPE, save_tiny_model
 

@@ -127,7 +127,7 @@ def test_no_checkpoint_verifying_names_each_bad_file(tmp_path, capsys):
 
 
 def test_export_refuses_a_damaged_checkpoint_naming_the_file(tmp_path, capsys):
-    from finetune.export import main as export_main
+    from finetune.export.weights import main as export_main
 
     newest = _checkpoint(str(tmp_path), 4)
     _checkpoint(str(tmp_path), 2)

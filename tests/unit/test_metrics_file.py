@@ -1,11 +1,11 @@
-"""metrics.jsonl has one reader (finetune.metrics.read_metrics): records in order, a bad line named by file and line;
+"""metrics.jsonl has one reader (finetune.run.metrics.read_metrics): records in order, a bad line named by file and line;
 a resumed run cuts the file back to its checkpoint; the training entry point still exports what callers import."""
 
 import json
 
 import pytest
 
-from finetune.metrics import MetricsError, read_metrics, truncate_metrics
+from finetune.run.metrics import MetricsError, read_metrics, truncate_metrics
 from finetune.step import StepResult, step_record
 
 

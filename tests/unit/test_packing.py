@@ -15,7 +15,7 @@ from finetune.data.loader import IGNORE, StepLoader, TokenizedData, collate, epo
 from finetune.data.packing import balance, pack_ffd
 from finetune.data.tokenizer import load_tokenizer
 from finetune.commands.preprocess import main as preprocess
-from finetune.loss import token_loss_sum
+from finetune.model.loss import token_loss_sum
 from tests.helpers import ROOT, TINY_CONFIG, TINY_RECIPE
 
 TINY_DATA = os.path.join(ROOT, "recipes", "data", "tiny_instruct.jsonl")

@@ -1,7 +1,7 @@
 """The speed-up switchboard (finetune/perf/__init__.py): each switch turns its speed-up on and off and nothing else, the
 names returned and reported are what the model carries, and a speed-up changes only the model it is applied to.
 
-Tiny Mistrals (vocab 256, hidden 64, 2 layers) built by finetune.model.build_model from a config.json, fp32 on CPU.
+Tiny Mistrals (vocab 256, hidden 64, 2 layers) built by finetune.model.build.build_model from a config.json, fp32 on CPU.
 liger's kernels need CUDA: here stand-in kernels (transformers' own maths, counted) go through the same per-instance
 installation (finetune/perf/liger.py), and the real kernels are checked by the last test where CUDA and liger-kernel
 are present.
@@ -23,7 +23,7 @@ import torch
 
 from finetune import perf
 from finetune.config import ConfigError, Recipe, load_recipe
-from finetune.model import build_model
+from finetune.model.build import build_model
 from finetune.perf import attention, liger
 from finetune.perf.fused_lora import fused_class
 from finetune.perf.fused_loss import _LossHead

@@ -1,4 +1,4 @@
-"""finetune/preempt.py: the signal notes, the ranks' agreement on them, and the resume command built from a rank's
+"""finetune/run/preempt.py: the signal notes, the ranks' agreement on them, and the resume command built from a rank's
 argv. The runs (2 ranks signalled mid-step, a second signal during the save, the resumed loss curve):
 tests/integration/test_preempt.py."""
 
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from finetune import preempt
+from finetune.run import preempt
 from finetune.multinode.jobwatch import NO_RANK_THERE, signal_report
 from finetune.dist import free_port
 from finetune.prepare import parse_args

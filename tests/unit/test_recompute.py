@@ -9,7 +9,7 @@ import torch
 
 from finetune.config import ConfigError, load_recipe
 from finetune.memory.estimate import estimate_activations, recomputed_layers
-from finetune.model import build_model
+from finetune.model.build import build_model
 from tests.helpers import TINY_RECIPE, save_tiny_model
 from tests.unit.test_budget import MISTRAL
 

@@ -1,4 +1,4 @@
-"""Resume checks what changed (finetune/resume_check.py): which differences between a checkpoint's saved recipe and
+"""Resume checks what changed (finetune/checkpoint/resume_check.py): which differences between a checkpoint's saved recipe and
 this run's refuse the resume (they change the parameters) and which are listed and allowed. The same against a real
 checkpoint of a trained run: tests/integration/test_run_folder.py."""
 
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from finetune import resume_check
+from finetune.checkpoint import resume_check
 from finetune.checkpoint import MARKER
 from finetune.config import ConfigError, load_recipe
 from finetune.prepare import Run

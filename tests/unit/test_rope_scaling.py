@@ -1,4 +1,4 @@
-"""model.rope_scaling (finetune/model.py apply_rope_scaling) reaches transformers' rotary embedding: linear scaling by
+"""model.rope_scaling (finetune/model/build.py apply_rope_scaling) reaches transformers' rotary embedding: linear scaling by
 2 gives position p the angles of p/2, the model's rope_theta kept and max_position_embeddings doubled; yarn sets the
 attention scaling transformers defines for it; an unknown type or a missing field is a ConfigError naming the key."""
 
@@ -9,7 +9,7 @@ import torch
 from transformers import MistralConfig
 
 from finetune.config import ConfigError, load_recipe
-from finetune.model import build_model
+from finetune.model.build import build_model
 from tests.helpers import TINY_RECIPE
 
 THETA, MAX_POS = 5000.0, 256

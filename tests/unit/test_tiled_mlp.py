@@ -146,7 +146,7 @@ def test_with_the_tiled_loss_and_recomputed_layers_the_model_equals_the_plain_on
     """The long-context path: every layer recomputed (non-reentrant), the tiled MLP inside, and the fused loss (the
     tiled output layer and loss, chunk rows not dividing the tokens): loss and every gradient within 1e-6 of the
     plain model's materialised logits and whole MLPs."""
-    from finetune.loss import token_loss_sum
+    from finetune.model.loss import token_loss_sum
     from finetune.perf import fused_loss
 
     plain = _mistral()
@@ -177,13 +177,13 @@ def test_with_the_tiled_loss_and_recomputed_layers_the_model_equals_the_plain_on
 @pytest.mark.parametrize("checkpointing, recomputed", [("full", [0, 1]), ("selective", [1]), ("offload", [0, 1])])
 @pytest.mark.parametrize("kind", ["full", "peft-lora"])
 def test_a_recomputed_layer_runs_its_tiles_twice_not_three_times(kind, checkpointing, recomputed):
-    """Layers recomputed as finetune/model.py sets them up (finetune/recompute.py marks the second run): a recomputed
+    """Layers recomputed as finetune/model/build.py sets them up (finetune/model/recompute.py marks the second run): a recomputed
     layer's MLP runs its tiles in forward and in backward only, not again in the layer's recomputation, as a layer
     kept whole does; loss and every gradient equal the plain model's (no tiles, no recomputation) within 1e-6."""
-    from finetune.model import _enable_checkpointing
+    from finetune.model.build import _enable_checkpointing
 
     plain, tiled = _mistral(), _mistral()
-    _enable_checkpointing(tiled, recomputed, offload=checkpointing == "offload")  # before LoRA, as finetune/model.py
+    _enable_checkpointing(tiled, recomputed, offload=checkpointing == "offload")  # before LoRA, as finetune/model/build.py
     if kind == "peft-lora":
         plain, tiled = (_lora(m, ["gate_proj", "up_proj", "down_proj"]) for m in (plain, tiled))
     install_tiled_mlp(tiled, zero_stage=2, max_tokens=ROWS * SEQ, tile_tokens=TILE)
@@ -220,7 +220,7 @@ def test_recipe_switch(tmp_path, monkeypatch):
 
     from finetune import perf
     from finetune.config import load_recipe
-    from finetune.model import build_model
+    from finetune.model.build import build_model
     from tests.helpers import TINY_RECIPE
 
     path = str(tmp_path)

@@ -17,10 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from finetune import progress, watchdog
+from finetune.run import activity
+from finetune.run import watchdog
 from finetune.config import ConfigError, load_recipe
 from finetune.multinode.jobwatch import JobWatch
-from finetune.progress import PROGRESS
+from finetune.run.activity import ACTIVITY
 from tests.helpers import ROOT
 
 
@@ -43,46 +44,46 @@ def group():
         pytest.skip("a process group already exists in this process")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
-    progress.uninstall()
+    activity.uninstall()
     dist.destroy_process_group()
 
 
 def test_the_recorder_notes_each_collective_and_puts_the_originals_back(group):
     original = dist.all_reduce
-    PROGRESS.reset()
-    progress.install()
+    ACTIVITY.reset()
+    activity.install()
     assert dist.all_reduce is not original and dist.distributed_c10d.all_reduce is dist.all_reduce
     dist.all_reduce(torch.ones(2))
-    assert (PROGRESS.collective, PROGRESS.state, PROGRESS.issued) == ("all_reduce", "returned", 1)
+    assert (ACTIVITY.collective, ACTIVITY.state, ACTIVITY.issued) == ("all_reduce", "returned", 1)
     dist.all_reduce(torch.ones(2), async_op=True).wait()
-    assert (PROGRESS.state, PROGRESS.issued) == ("async", 2)
+    assert (ACTIVITY.state, ACTIVITY.issued) == ("async", 2)
     found = [None]
     dist.all_gather_object(found, {"a": 1})  # calls all_gather inside: recorded once, as the outer collective
-    assert (PROGRESS.collective, PROGRESS.issued, found) == ("all_gather_object", 3, [{"a": 1}])
+    assert (ACTIVITY.collective, ACTIVITY.issued, found) == ("all_gather_object", 3, [{"a": 1}])
     with pytest.raises(Exception):
         dist.broadcast(torch.ones(2), src=5)  # no rank 5
-    assert (PROGRESS.collective, PROGRESS.state) == ("broadcast", "raised")
-    progress.uninstall()
+    assert (ACTIVITY.collective, ACTIVITY.state) == ("broadcast", "raised")
+    activity.uninstall()
     assert dist.all_reduce is original and dist.distributed_c10d.all_reduce is original
 
 
 def test_the_test_hook_is_parsed_and_matched_on_its_rank_step_and_phase(monkeypatch):
-    hook = progress._parse_hook("rank=1,step=3,in=all_reduce,phase=save")
+    hook = activity._parse_hook("rank=1,step=3,in=all_reduce,phase=save")
     assert hook == {"rank": 1, "step": 3, "in": "all_reduce", "phase": "save"}
     for bad in ("rank=1,step=3", "rank=1,step=x,in=all_reduce", "rank=1,step=3,in=allreduce", "rank=1,step=3,in=barrier,at=2"):
         with pytest.raises(ValueError, match=r"ZEROTUNE_TEST_STALL=.*write rank=R,step=S,in=COLLECTIVE"):
-            progress._parse_hook(bad)
-    PROGRESS.reset()
-    PROGRESS.start_step(3)
-    PROGRESS.mark("save")
+            activity._parse_hook(bad)
+    ACTIVITY.reset()
+    ACTIVITY.start_step(3)
+    ACTIVITY.mark("save")
     monkeypatch.setenv("RANK", "1")
-    assert progress._hook_matches(hook, "all_reduce")
-    assert not progress._hook_matches(hook, "barrier")
-    PROGRESS.mark("forward")
-    assert not progress._hook_matches(hook, "all_reduce")
-    assert progress._hook_matches(dict(hook, phase=None), "all_reduce")
+    assert activity._hook_matches(hook, "all_reduce")
+    assert not activity._hook_matches(hook, "barrier")
+    ACTIVITY.mark("forward")
+    assert not activity._hook_matches(hook, "all_reduce")
+    assert activity._hook_matches(dict(hook, phase=None), "all_reduce")
     monkeypatch.setenv("RANK", "0")
-    assert not progress._hook_matches(dict(hook, phase=None), "all_reduce")
+    assert not activity._hook_matches(dict(hook, phase=None), "all_reduce")
 
 
 def _beat(rank: int, beat: int, step=7, issued=100, phase="forward", collective="all_reduce", state="waiting"):
@@ -127,12 +128,12 @@ def test_the_summary_names_a_rank_behind_a_missing_one_or_none():
 CHILD = """
 import os, sys, time
 sys.path.insert(0, {root!r})
-from finetune import watchdog
-from finetune.progress import PROGRESS
+from finetune.run import watchdog
+from finetune.run.activity import ACTIVITY
 dog = watchdog.Watchdog({out!r}, 1)
 dog.start()
-PROGRESS.start_step(1)
-PROGRESS.mark("forward", 0)
+ACTIVITY.start_step(1)
+ACTIVITY.mark("forward", 0)
 time.sleep(30)
 """
 
@@ -163,7 +164,7 @@ def test_a_watchdog_that_ends_leaves_nothing_and_puts_the_collectives_back(tmp_p
     original = dist.all_reduce
     for setting, watched in ((5, True), (0, False)):
         with watchdog.watching(str(tmp_path), setting):
-            PROGRESS.mark("forward", 0)
+            ACTIVITY.mark("forward", 0)
             assert (dist.all_reduce is not original) == watched
             assert os.path.exists(tmp_path / "stall" / "beat_rank_0.json") == watched
         assert os.listdir(tmp_path) == [] and dist.all_reduce is original

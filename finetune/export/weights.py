@@ -9,7 +9,7 @@ train.save_every=0 exports too. A checkpoint's files are checked against its man
 damaged one is refused, naming its bad files. Parameters are gathered one decoder layer at a time (ZeRO-3
 `GatheredParameters`), copied to CPU by rank 0 and written in shards, so no rank ever holds the whole model at once.
 The folder is written under `<out>.tmp` and renamed into place when complete; its tokenizer loads with AutoTokenizer
-and carries the chat template the run trained on (finetune/export_tokenizer.py).
+and carries the chat template the run trained on (finetune/export/tokenizer.py).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from finetune.checkpoint import ENGINE_TAG, MARKER, STEP_DIR, complete_checkpoin
 from finetune.config import ConfigError, load_recipe
 from finetune.data.tokenizer import load_tokenizer
 from finetune.ds_config import bf16_enabled, zero_stage
-from finetune.export_tokenizer import write_tokenizer
-from finetune.model import build_model, has_weights
+from finetune.export.tokenizer import write_tokenizer
+from finetune.model.build import build_model, has_weights
 
 SHARD_BYTES = 2 * 2**30
 LAYER = re.compile(r"\.layers\.(\d+)\.")

@@ -1,8 +1,8 @@
-"""What this rank is doing right now, for the stall watchdog (finetune/watchdog.py): the step, the micro-batch, the
+"""What this rank is doing right now, for the stall watchdog (finetune/run/watchdog.py): the step, the micro-batch, the
 phase and the last collective it entered, each kept by plain assignments in memory (no I/O, no lock).
 
-    from finetune.progress import PROGRESS
-    PROGRESS.start_step(13); PROGRESS.mark("forward", micro=0); PROGRESS.step_done(13, seconds)
+    from finetune.run.activity import ACTIVITY
+    ACTIVITY.start_step(13); ACTIVITY.mark("forward", micro=0); ACTIVITY.step_done(13, seconds)
 
 `install()` wraps torch.distributed's collectives (what zerotune and DeepSpeed call) with a recorder that notes
 "entered X" before and "returned" after each call; `uninstall()` puts the originals back. The test hook
@@ -30,7 +30,7 @@ TEST_HOOK = "ZEROTUNE_TEST_STALL"
 STEP_TIMES_KEPT = 50
 
 
-class Progress:
+class Activity:
     """The record of this process. Written by the training thread, read by the watchdog thread (a read may see a
     field one assignment old, which a report a stall later does not mind)."""
 
@@ -80,7 +80,7 @@ class Progress:
                 "issued": self.issued, "idle_s": round(now - self.last_progress, 1)}
 
 
-PROGRESS = Progress()
+ACTIVITY = Activity()
 _originals: dict[tuple[Any, str], Any] = {}
 
 
@@ -125,7 +125,7 @@ def _deepspeed_backend():
 def _recorded(name: str, fn, hook: dict[str, Any] | None):
     @functools.wraps(fn)
     def recorded(*args, **kwargs):
-        p = PROGRESS
+        p = ACTIVITY
         if p.depth:  # called by another collective (all_gather_object's all_gather): recorded as that one
             return fn(*args, **kwargs)
         p.depth = 1
@@ -165,5 +165,5 @@ def _parse_hook(text: str | None) -> dict[str, Any] | None:
 
 
 def _hook_matches(hook: dict[str, Any], name: str) -> bool:
-    return (name == hook["in"] and PROGRESS.step == hook["step"] and int(os.environ.get("RANK", "0")) == hook["rank"]
-            and hook["phase"] in (None, PROGRESS.phase))
+    return (name == hook["in"] and ACTIVITY.step == hook["step"] and int(os.environ.get("RANK", "0")) == hook["rank"]
+            and hook["phase"] in (None, ACTIVITY.phase))

@@ -1,4 +1,4 @@
-"""What a run prints (finetune/logs.py): DeepSpeed's INFO lines, its CPU notice on a machine without a GPU and the
+"""What a run prints (finetune/run/console.py): DeepSpeed's INFO lines, its CPU notice on a machine without a GPU and the
 libraries' FutureWarnings only with --verbose / ZEROTUNE_LOG=info; a recipe error printed once, by local rank 0.
 The quiet output of a whole run through the launcher: tests/integration/test_docs_commands.py (the quickstart)."""
 
@@ -10,7 +10,8 @@ import warnings
 import pytest
 from deepspeed.utils import logger as ds_logger
 
-from finetune import dist, logs
+from finetune import dist
+from finetune.run import console
 from finetune.train import main as train_main
 from tests.helpers import TINY_RECIPE
 
@@ -30,14 +31,14 @@ class Lines(logging.Handler):
 def restore(monkeypatch):
     """DeepSpeed's logger levels, ZEROTUNE_LOG and TORCH_CPP_LOG_LEVEL as they were; pytest restores the warning
     filters itself."""
-    monkeypatch.delenv(logs.ENV, raising=False)
+    monkeypatch.delenv(console.ENV, raising=False)
     monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
     levels = ds_logger.level, [h.level for h in ds_logger.handlers]
     yield monkeypatch
     ds_logger.setLevel(levels[0])
     for handler, level in zip(ds_logger.handlers, levels[1]):
         handler.setLevel(level)
-    logs.setup()
+    console.setup()
 
 
 @pytest.fixture
@@ -53,8 +54,8 @@ CPU_NOTICE = "Setting accelerator to CPU. If you have GPU or other accelerator, 
 
 
 def test_default_hides_deepspeed_info_and_the_cpu_notice(restore, shown):
-    restore.setattr(logs, "has_nvidia_gpu", lambda: False)
-    logs.setup()
+    restore.setattr(console, "has_nvidia_gpu", lambda: False)
+    console.setup()
     ds_logger.info("engine INFO line")
     ds_logger.warning(CPU_NOTICE)
     ds_logger.warning("a warning the user can act on")
@@ -62,21 +63,21 @@ def test_default_hides_deepspeed_info_and_the_cpu_notice(restore, shown):
 
 
 def test_the_cpu_notice_stays_where_a_gpu_was_missed(restore, shown):
-    restore.setattr(logs, "has_nvidia_gpu", lambda: True)
-    logs.setup()
+    restore.setattr(console, "has_nvidia_gpu", lambda: True)
+    console.setup()
     ds_logger.warning(CPU_NOTICE)
     assert shown == [CPU_NOTICE]
 
 
 @pytest.mark.parametrize("how", ["--verbose", "ZEROTUNE_LOG=info"])
 def test_verbose_shows_deepspeed_info(restore, shown, how):
-    restore.setattr(logs, "has_nvidia_gpu", lambda: False)
+    restore.setattr(console, "has_nvidia_gpu", lambda: False)
     if how == "--verbose":
-        logs.setup(verbose=True)
-        assert logs.is_verbose()  # and the ranks and workers it starts inherit it
+        console.setup(verbose=True)
+        assert console.is_verbose()  # and the ranks and workers it starts inherit it
     else:
-        restore.setenv(logs.ENV, "info")
-        logs.setup()
+        restore.setenv(console.ENV, "info")
+        console.setup()
     ds_logger.info("engine INFO line")
     ds_logger.warning(CPU_NOTICE)
     assert shown == ["engine INFO line", CPU_NOTICE]
@@ -85,7 +86,7 @@ def test_verbose_shows_deepspeed_info(restore, shown, how):
 def test_library_future_warnings_are_hidden_others_kept(restore):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        logs.setup()
+        console.setup()
         warnings.warn_explicit("renamed collective", FutureWarning, "c10d_logger.py", 83,
                                module="torch.distributed.c10d_logger")
         warnings.warn_explicit("a user's own FutureWarning", FutureWarning, "my_plugin.py", 1, module="my_plugin")
@@ -93,29 +94,29 @@ def test_library_future_warnings_are_hidden_others_kept(restore):
     assert [str(w.message) for w in caught] == ["a user's own FutureWarning", "a library's UserWarning"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        logs.setup(verbose=True)
+        console.setup(verbose=True)
         warnings.warn_explicit("renamed collective", FutureWarning, "c10d_logger.py", 83,
                                module="torch.distributed.c10d_logger")
     assert len(caught) == 1
 
 
 def test_an_unknown_zerotune_log_value_is_named(restore, capsys):
-    restore.setenv(logs.ENV, "loud")
-    restore.setattr(logs._QUIET, "warned", False)
-    assert logs.setup() == logging.WARNING
+    restore.setenv(console.ENV, "loud")
+    restore.setattr(console._QUIET, "warned", False)
+    assert console.setup() == logging.WARNING
     assert "ZEROTUNE_LOG='loud' is not one of warning, info, debug; using warning" in capsys.readouterr().err
 
 
 def test_quiet_stdout_holds_back_library_prints_unless_verbose(restore, capsys):
-    with logs.quiet_stdout():
+    with console.quiet_stdout():
         print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")
     assert capsys.readouterr().out == ""
-    with pytest.raises(RuntimeError), logs.quiet_stdout():
+    with pytest.raises(RuntimeError), console.quiet_stdout():
         print("what led to the error")
         raise RuntimeError("boom")
     assert capsys.readouterr().out == "what led to the error\n"  # an error brings it back
-    restore.setenv(logs.ENV, "info")
-    with logs.quiet_stdout():
+    restore.setenv(console.ENV, "info")
+    with console.quiet_stdout():
         print("shown")
     assert capsys.readouterr().out == "shown\n"
 
@@ -141,12 +142,12 @@ def test_a_recipe_error_is_printed_at_once_by_local_rank_0_later_by_the_others(r
 def test_torch_cpp_warnings_are_hidden_by_default_shown_when_verbose_and_a_users_level_stays(restore):
     """c10d's C++ warnings (a loopback address without a reverse DNS entry gives one per rank) follow
     TORCH_CPP_LOG_LEVEL, which the ranks inherit from the process that starts them."""
-    logs.setup()
+    console.setup()
     assert os.environ["TORCH_CPP_LOG_LEVEL"] == "ERROR"
     restore.delenv("TORCH_CPP_LOG_LEVEL")
-    logs.setup(verbose=True)
+    console.setup(verbose=True)
     assert "TORCH_CPP_LOG_LEVEL" not in os.environ
-    restore.delenv(logs.ENV, raising=False)
+    restore.delenv(console.ENV, raising=False)
     restore.setenv("TORCH_CPP_LOG_LEVEL", "INFO")
-    logs.setup()
+    console.setup()
     assert os.environ["TORCH_CPP_LOG_LEVEL"] == "INFO"

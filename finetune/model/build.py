@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from finetune import init_weights
+from finetune.model import init_weights
 from finetune.config import ConfigError, LoraConfig, ModelConfig
 from finetune.ds_config import bf16_enabled, zero_stage
-from finetune.recompute import marking
+from finetune.model.recompute import marking
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 
@@ -98,7 +98,7 @@ def library_attention(cfg: ModelConfig) -> str:
 
 def _enable_checkpointing(model, recomputed: list[int], offload: bool = False) -> None:
     """Recompute the decoder layers at these indices in backward; the others keep their activations. offload: each
-    recomputed layer's input waits for backward in CPU memory (finetune/checkpoint_offload.py).
+    recomputed layer's input waits for backward in CPU memory (finetune/model/activation_offload.py).
 
     Non-reentrant checkpointing works with frozen LoRA bases and ZeRO-3's parameter hooks. transformers >= 5.20
     names it activation_checkpointing_enable; older 5.x only has gradient_checkpointing_enable. Both set the flag on
@@ -114,10 +114,10 @@ def _enable_checkpointing(model, recomputed: list[int], offload: bool = False) -
         layer.gradient_checkpointing = i in chosen
         checkpoint = layer._gradient_checkpointing_func
         if offload:
-            from finetune.checkpoint_offload import offloading_checkpoint
+            from finetune.model.activation_offload import offloading_checkpoint
 
             checkpoint = offloading_checkpoint
-        # Parts of the layer (the tiled MLP) skip work that the recomputation does not need (finetune/recompute.py).
+        # Parts of the layer (the tiled MLP) skip work that the recomputation does not need (finetune/model/recompute.py).
         layer._gradient_checkpointing_func = marking(checkpoint)
 
 

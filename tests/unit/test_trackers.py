@@ -1,5 +1,5 @@
 """Metric back-ends without a run: neither TensorBoard nor W&B is needed to train, and asking for a missing or unknown
-one is a clear error before training starts. The records they receive from a real run: tests/integration/test_loggers.py."""
+one is a clear error before training starts. The records they receive from a real run: tests/integration/test_trackers.py."""
 
 import json
 import sys
@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from finetune.config import ConfigError, load_recipe
-from finetune.loggers import check_backends
-from finetune.metrics import MetricsLog
+from finetune.run.trackers import check_backends
+from finetune.run.metrics import MetricsLog
 from tests.helpers import TINY_RECIPE
 
 

@@ -56,7 +56,7 @@ def rule_for(name: str, module: nn.Module) -> Rule:
             return rule
     known = ", ".join(f"{r.module}.{r.attr}" for r in RULES)
     raise ConfigError(f"random init: no rule for parameter {name!r} ({type(module).__name__}.{attr}); "
-                      f"finetune/init_weights.py draws {known}. Point model.path at a folder with weights, or add a "
+                      f"finetune/model/init_weights.py draws {known}. Point model.path at a folder with weights, or add a "
                       f"rule to RULES")
 
 
@@ -111,7 +111,7 @@ def check_init_weights(model: nn.Module) -> None:
     init = getattr(type(model), "_init_weights", None)
     if init is not PreTrainedModel._init_weights:
         raise ConfigError(f"random init: {type(model).__name__} initialises its weights its own way, which "
-                          f"finetune/init_weights.py does not reproduce; point model.path at a folder with weights")
+                          f"finetune/model/init_weights.py does not reproduce; point model.path at a folder with weights")
 
 
 @torch.no_grad()

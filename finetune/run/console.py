@@ -2,8 +2,8 @@
 act on. DeepSpeed's INFO logging, its CPU-accelerator notice on a machine without a GPU, its shm op's build line and
 the libraries' FutureWarnings about their own internals appear only with `--verbose` or `ZEROTUNE_LOG=info`.
 
-    from finetune import logs
-    logs.setup(verbose="--verbose" in sys.argv)   # once, first thing: before deepspeed is imported where possible
+    from finetune.run import console
+    console.setup(verbose="--verbose" in sys.argv)   # once, first thing: before deepspeed is imported where possible
 
 The DeepSpeed launcher (`deepspeed ...`) is a process of its own: its INFO lines follow its `--log_level` flag, which
 launch/quickstart.sh sets.

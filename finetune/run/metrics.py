@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from finetune.loggers import build_backends
+from finetune.run.trackers import build_backends
 
 METRICS_FILE = "metrics.jsonl"
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16
@@ -80,7 +80,7 @@ def _duration(seconds: float) -> str:
 
 class MetricsLog:
     """metrics.jsonl in the run folder (rank 0), the same records to the `log_to` back-ends (TensorBoard, W&B; see
-    finetune/loggers.py), plus a one-line progress report with tokens/s and ETA. Call close() at the end."""
+    finetune/run/trackers.py), plus a one-line progress report with tokens/s and ETA. Call close() at the end."""
 
     def __init__(self, output_dir: str | None, max_steps: int, enabled: bool, start_step: int = 0,
                  log_to: list[str] | None = None, run_config: dict[str, Any] | None = None,

@@ -1,8 +1,8 @@
 """One run per output folder: global rank 0 holds `<output_dir>/.zerotune.lock` for the run's whole life.
 
-    lock = runlock.acquire("runs/x")   # ConfigError naming the holder when another live run has the folder
+    lock = folder_lock.acquire("runs/x")   # ConfigError naming the holder when another live run has the folder
     ...
-    runlock.release_all()              # also registered with atexit
+    folder_lock.release_all()              # also registered with atexit
 
 Two guards, because neither holds on every file system. An exclusive flock: the kernel drops it however its holder
 dies (kill -9 included), so a free flock is the surest sign the holder is gone. But NFS mounted without lock support
@@ -109,7 +109,7 @@ def acquire(output_dir: str) -> RunLock:
         raise ConfigError(f"train.output_dir {output_dir!r} is not writable ({e.strerror}): choose another folder or "
                           f"fix its permissions") from None
     _held[folder] = lock
-    threading.Thread(target=lock._heartbeat, name="zerotune-runlock", daemon=True).start()
+    threading.Thread(target=lock._heartbeat, name="zerotune-folder-lock", daemon=True).start()
     return lock
 
 

@@ -1,4 +1,4 @@
-"""model.activation_checkpointing: offload (finetune/checkpoint_offload.py): every layer recomputed as under `full`,
+"""model.activation_checkpointing: offload (finetune/model/activation_offload.py): every layer recomputed as under `full`,
 the same loss and gradients bit for bit (full fine-tune and LoRA with dropout), and what each layer keeps for
 backward is its input alone, packed by the offload hooks into CPU memory.
 
@@ -8,9 +8,9 @@ On a GPU: the inputs really leave the device (pinned copies) and the device memo
 import pytest
 import torch
 
-from finetune import checkpoint_offload
+from finetune.model import activation_offload
 from finetune.config import load_recipe
-from finetune.model import build_model
+from finetune.model.build import build_model
 from tests.helpers import SMALL_VOCAB_LAYERS as LAYERS, TINY_RECIPE, save_tiny_model
 
 FP32 = {"bf16": {"enabled": False}}
@@ -57,7 +57,7 @@ def test_each_layer_keeps_only_its_input_and_it_goes_through_the_offload_hooks(m
     tensor (a CPU tensor stays itself; a device tensor becomes a CPU copy: test_device_tensors_are_copied_to_the_host);
     backward unpacks each once."""
     events, inputs = [], []
-    pack, unpack = checkpoint_offload.to_host, checkpoint_offload.to_device
+    pack, unpack = activation_offload.to_host, activation_offload.to_device
 
     def recording_pack(t):
         packed = pack(t)
@@ -68,8 +68,8 @@ def test_each_layer_keeps_only_its_input_and_it_goes_through_the_offload_hooks(m
         events.append(("unpack",))
         return unpack(packed)
 
-    monkeypatch.setattr(checkpoint_offload, "to_host", recording_pack)
-    monkeypatch.setattr(checkpoint_offload, "to_device", recording_unpack)
+    monkeypatch.setattr(activation_offload, "to_host", recording_pack)
+    monkeypatch.setattr(activation_offload, "to_device", recording_unpack)
     _run(model_dir, "offload", False, packed=events, inputs=inputs)
     cut = events.index("forward done")
     # Some transformers versions hand the checkpoint an extra empty tensor per layer: packed too, it costs nothing.
@@ -84,10 +84,10 @@ def test_each_layer_keeps_only_its_input_and_it_goes_through_the_offload_hooks(m
 def test_device_tensors_are_copied_to_the_host():
     """The pack keeps a CPU tensor as it is and moves anything else; unpack returns it to its device."""
     t = torch.randn(3, 5)
-    assert checkpoint_offload.to_host(t) is t and checkpoint_offload.to_device(t) is t
+    assert activation_offload.to_host(t) is t and activation_offload.to_device(t) is t
     if not torch.cuda.is_available():
         pytest.skip("the device copy needs CUDA (tests/gpu/test_gpu_checkpoint_offload.py)")
     d = t.cuda()
-    device, host = checkpoint_offload.to_host(d)
+    device, host = activation_offload.to_host(d)
     assert host.device.type == "cpu" and host.is_pinned() and device == d.device
-    assert torch.equal(checkpoint_offload.to_device((device, host)), d)
+    assert torch.equal(activation_offload.to_device((device, host)), d)

@@ -1,6 +1,6 @@
 """The two runs of a recomputed decoder layer, told apart.
 
-    layer._gradient_checkpointing_func = marking(checkpoint)   # by finetune.model._enable_checkpointing
+    layer._gradient_checkpointing_func = marking(checkpoint)   # by finetune.model.build._enable_checkpointing
     if recomputing(): ...                                      # in a part of the layer (finetune/perf/tiled_mlp.py)
 
 torch's non-reentrant checkpoint runs a recomputed layer's function twice: in forward, where it keeps only the
@@ -30,7 +30,7 @@ def recomputing() -> bool:
 
 
 def marking(checkpoint: Callable) -> Callable:
-    """checkpoint (torch.utils.checkpoint.checkpoint with its options, or finetune.checkpoint_offload's) with each
+    """checkpoint (torch.utils.checkpoint.checkpoint with its options, or finetune.model.activation_offload's) with each
     layer function's second and later runs marked as recomputations."""
 
     def checkpoint_marking_recomputation(function: Callable, *args, **kwargs):

@@ -4,7 +4,7 @@ the rank that is stuck, its host, its phase and its collective.
     with watchdog.watching(t.output_dir, t.stall_timeout_s):   # around the loop, once the run folder exists
         ...
 
-Every few seconds each rank's thread writes its progress record (finetune/progress.py) as a heartbeat file,
+Every few seconds each rank's thread writes its progress record (finetune/run/activity.py) as a heartbeat file,
 <output_dir>/stall/beat_rank_<K>.json. When its own rank has made no progress for the limit, it writes its Python
 stacks (every thread) and its record to stall/rank_<K>.txt (and torch's flight recorder to rank_<K>.fr.json), then
 reads every rank's heartbeat twice, a few beats apart: a rank whose heartbeat did not move is not responding (a
@@ -28,8 +28,9 @@ import threading
 import time
 from typing import Any
 
-from finetune import progress, runlock
-from finetune.progress import PROGRESS
+from finetune.run import activity
+from finetune.run import folder_lock
+from finetune.run.activity import ACTIVITY
 
 STALL_EXIT = 4
 FLOOR_S = 300.0
@@ -94,13 +95,13 @@ class Watchdog:
     def start(self) -> None:
         if self.setting == 0:
             return
-        PROGRESS.reset()
+        ACTIVITY.reset()
         os.makedirs(self.folder, exist_ok=True)
         earlier = [f"rank_{self.rank}.txt", f"rank_{self.rank}.fr.json"] + (["summary.txt"] if self.rank == 0 else [])
         for name in earlier:  # an earlier stall's, in a resumed run's folder
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(self.folder, name))
-        progress.install()
+        activity.install()
         self._beat()
         self._thread = threading.Thread(target=self._run, name="zerotune-watchdog", daemon=True)
         self._thread.start()
@@ -111,7 +112,7 @@ class Watchdog:
         self._stop.set()
         self._thread.join()
         self._thread = None
-        progress.uninstall()
+        activity.uninstall()
         with contextlib.suppress(OSError):
             os.remove(self.beat_path)
         with contextlib.suppress(OSError):
@@ -119,16 +120,16 @@ class Watchdog:
 
     def _run(self) -> None:
         while True:
-            limit = limit_s(self.setting, PROGRESS.step_times, PROGRESS.phase) or LONG_S
+            limit = limit_s(self.setting, ACTIVITY.step_times, ACTIVITY.phase) or LONG_S
             if self._stop.wait(beat_s(limit)):
                 return
             self._beat()
-            if time.monotonic() - PROGRESS.last_progress > limit:
+            if time.monotonic() - ACTIVITY.last_progress > limit:
                 self._on_stall(limit)
 
     def _record(self) -> dict[str, Any]:
         return {"rank": self.rank, "world": self.world, "host": self.host, "pid": self.pid, "beat": self.beats,
-                "time": time.time(), **PROGRESS.snapshot()}
+                "time": time.time(), **ACTIVITY.snapshot()}
 
     def _beat(self) -> None:
         """Write this rank's heartbeat atomically (a reader never sees half a file)."""
@@ -148,7 +149,7 @@ class Watchdog:
     def _on_stall(self, limit: float) -> None:
         """Write this rank's stacks, name the ranks that are behind (the lowest rank still responding does), exit 4."""
         stalled_at, beat = time.time(), beat_s(limit)
-        idle = time.monotonic() - PROGRESS.last_progress
+        idle = time.monotonic() - ACTIVITY.last_progress
         self._write_stacks(limit, idle)
         first = read_beats(self.folder, self.world)
         self._sleep_beating(max(2.0, 3 * beat), beat)
@@ -170,7 +171,7 @@ class Watchdog:
                 return False
 
             self._sleep_beating(SUMMARY_WAIT_S, beat, until=written)
-        runlock.release_all()  # the training thread, stuck in a collective, never reaches train.main's release
+        folder_lock.release_all()  # the training thread, stuck in a collective, never reaches train.main's release
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(STALL_EXIT)

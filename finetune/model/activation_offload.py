@@ -1,7 +1,7 @@
 """model.activation_checkpointing: offload: every decoder layer recomputed in backward, as `full`, with each layer's
 input waiting for backward in CPU memory instead of the GPU's.
 
-    layer._gradient_checkpointing_func = offloading_checkpoint   # by finetune.model._enable_checkpointing
+    layer._gradient_checkpointing_func = offloading_checkpoint   # by finetune.model.build._enable_checkpointing
 
 Under `full` the one tensor a recomputed layer keeps is its input hidden state, [tokens, hidden], once per layer: at
 long rows what is left of the activations once the layers are recomputed, and it grows with the row. torch's non-reentrant checkpoint saves the layer's tensor arguments as saved tensors
