@@ -222,7 +222,7 @@ def report_error(message: str) -> None:
     later, i.e. when no launcher ended the job for local rank 0, which then did not meet the error."""
     if local_rank() != 0:
         time.sleep(QUIET_EXIT_DELAY_S)
-    print(f"zerotune: error: {message}", file=sys.stderr, flush=True)
+    console.error(message)
 
 
 def print0(*args, **kwargs) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import shutil
 import sys
@@ -19,13 +18,9 @@ from typing import Any
 
 import deepspeed
 import torch
-import yaml
 
 from finetune import checkpoint, dist, parallel, perf
-from finetune.run import console
-from finetune.run import preempt
-from finetune.run import folder_lock
-from finetune.run import watchdog
+from finetune.run import console, folder, folder_lock, preempt, watchdog
 from finetune.checkpoint import resume_check
 from finetune.config import ConfigError, recipe_to_dict
 from finetune.data import ReportedElsewhere, build_datasets
@@ -36,7 +31,7 @@ from finetune.ds_config import engine_config, nvme_swap_dirs, zero_stage
 from finetune.export.weights import export_engine
 from finetune.model.generate import answer
 from finetune.memory.budget import enforce
-from finetune.run.metrics import METRICS_FILE, MetricsLog, truncate_metrics
+from finetune.run.metrics import MetricsLog, truncate_metrics
 from finetune.model.build import build_model, trainable_parameters
 from finetune.model.optim import build_optimizer
 from finetune.parallel import groups as sp_groups, ulysses
@@ -120,15 +115,12 @@ def _write_run_files(run: Run) -> None:
     t = run.recipe.train
     os.makedirs(t.output_dir, exist_ok=True)
     if dist.is_main():
-        with open(os.path.join(t.output_dir, "recipe.yaml"), "w") as f:
-            yaml.safe_dump(recipe_to_dict(run.recipe), f, sort_keys=False)
-        with open(os.path.join(t.output_dir, "ds_config.json"), "w") as f:
-            json.dump(run.ds, f, indent=2)
+        folder.write_yaml(t.output_dir, folder.RECIPE, recipe_to_dict(run.recipe))
+        folder.write_json(t.output_dir, folder.DS_CONFIG, run.ds)
         if run.plan is not None:
-            with open(os.path.join(t.output_dir, "memory_plan.json"), "w") as f:
-                json.dump(dataclasses.asdict(run.plan), f, indent=2)
+            folder.write_json(t.output_dir, folder.MEMORY_PLAN, dataclasses.asdict(run.plan))
         resumed = checkpoint.saved_step(run.resume_from) if run.resume_from else 0
-        truncate_metrics(os.path.join(t.output_dir, METRICS_FILE), keep_until=resumed)
+        truncate_metrics(folder.path(t.output_dir, folder.METRICS), keep_until=resumed)
 
 
 def _load_data(run: Run, cache_before: set[str] | None) -> tuple[Any, StepLoader, TokenizedData | None]:
@@ -208,8 +200,7 @@ def _report_speedups(run: Run, applied: list[str]) -> None:
     """Name the applied speed-ups once; rank 0 writes every switch, on or off, to speedups.json in the run folder."""
     dist.print0(f"speed-ups: {', '.join(applied) if applied else 'none'}")
     if dist.is_main():
-        with open(os.path.join(run.recipe.train.output_dir, "speedups.json"), "w") as f:
-            json.dump(perf.report(run.recipe, applied), f, indent=2)
+        folder.write_json(run.recipe.train.output_dir, folder.SPEEDUPS, perf.report(run.recipe, applied))
 
 
 def _resume(run: Run, engine, optimizer, scheduler) -> int:
@@ -285,11 +276,10 @@ def _finish(loop: Loop, samples: list[dict[str, Any]], on_end) -> None:
     t = loop.run.recipe.train
     samples = samples + _sample(loop, loop.end_step)
     if dist.is_main() and samples:
-        with open(os.path.join(t.output_dir, "samples.jsonl"), "w") as f:
-            f.writelines(json.dumps(s) + "\n" for s in samples)
+        folder.write_jsonl(t.output_dir, folder.SAMPLES, samples)
     if t.export:
         ACTIVITY.mark("export")
-        path = export_engine(loop.engine, os.path.join(t.output_dir, "export"), loop.tokenizer,
+        path = export_engine(loop.engine, folder.path(t.output_dir, folder.EXPORT), loop.tokenizer,
                              loop.run.recipe.lora.enabled)
         dist.print0(f"exported {path}")
     if on_end is not None:
@@ -349,10 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     except ReportedElsewhere:
         return 2  # another rank prints the data error, once
     except ConfigError as e:
-        print(f"zerotune: error: {e}", file=sys.stderr)
+        console.error(e)
         return 2
     except TrainingError as e:
-        print(f"zerotune: error: {e}", file=sys.stderr)
+        console.error(e)
         return 3
     finally:
         # Here too: finetune/main.py ends the process with os._exit, which skips atexit. Before shutdown's barrier:

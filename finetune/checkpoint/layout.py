@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 from finetune.config import ConfigError
+from finetune.run import folder as run_folder
 
 ENGINE_TAG = "engine"
 UNIVERSAL_TAG = "universal"  # the same state converted for another world size (DeepSpeed universal checkpoint)
@@ -93,13 +94,7 @@ def human(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def write_json_atomic(path: str, data: dict[str, Any]) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+write_json_atomic = run_folder.write_json_file  # every file of a checkpoint that zerotune writes is written whole
 
 
 def fsync_dir(path: str) -> None:

@@ -29,7 +29,9 @@ from finetune.config import ConfigError
 from finetune.data.template import Message, encode_prompt
 from finetune.data.tokenizer import load_tokenizer
 from finetune.model.generate import reply
-from finetune.model.build import has_weights
+from finetune.model import folder as model_folder
+from finetune.run import console
+from finetune.run import folder as run_folder
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
@@ -62,10 +64,10 @@ def _resolve(path: str, workdir: str | None) -> str:
     temporary folder that the caller owns)."""
     if not os.path.isdir(path):
         raise ChatError(f"{path!r} does not exist: give a run folder, an exported model folder or a LoRA adapter folder")
-    if any(os.path.isfile(os.path.join(path, f)) for f in ("adapter_config.json", "config.json")):
+    if model_folder.is_exported(path):
         return path
-    if os.path.isdir(os.path.join(path, "export")):
-        return _resolve(os.path.join(path, "export"), workdir)
+    if os.path.isdir(run_folder.path(path, run_folder.EXPORT)):
+        return _resolve(run_folder.path(path, run_folder.EXPORT), workdir)
     checkpoint = path if STEP_DIR.match(os.path.basename(os.path.normpath(path))) and \
         os.path.isfile(os.path.join(path, MARKER)) else find_latest(path)
     if checkpoint is None:
@@ -100,7 +102,7 @@ def load_chat_model(path: str, base: str | None = None, device: str | None = Non
     hf_logging.disable_progress_bar()  # a chat prompt, not a loading bar, is what the user should see
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     folder = _resolve(path, workdir)
-    adapter_file = os.path.join(folder, "adapter_config.json")
+    adapter_file = os.path.join(folder, model_folder.ADAPTER_CONFIG)
     if not os.path.isfile(adapter_file):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=saved_dtype(folder))
         what = f"{folder} ({model.dtype})"
@@ -111,10 +113,10 @@ def load_chat_model(path: str, base: str | None = None, device: str | None = Non
         with open(adapter_file) as f:
             recorded = json.load(f).get("base_model_name_or_path")
         base = base or recorded
-        if not base or not os.path.isfile(os.path.join(base, "config.json")):
+        if not base or not model_folder.has_config(base):
             raise ChatError(f"LoRA adapter {folder!r} needs its base model: {base or 'none recorded'!r} is not a model "
                             f"folder here; pass --base PATH_TO_BASE_MODEL")
-        if not has_weights(base):
+        if not model_folder.has_weights(base):
             raise ChatError(f"the base model folder {base!r} has no weights (the run started from a random init): "
                             f"`zerotune export RUN_DIR --out DIR --merge` writes base and adapter as one model to chat with")
         dtype = saved_dtype(folder)  # training ran the base in the adapter's dtype
@@ -201,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.redirect_stdout(sys.stderr):
                 chat = load_chat_model(args.path, args.base, args.device, workdir)
         except (ChatError, FileNotFoundError) as e:
-            print(f"zerotune: error: {e}", file=sys.stderr)
+            console.error(e)
             return 2
         if args.prompt is None:
             _interactive(chat, args, system)

@@ -26,6 +26,8 @@ from finetune.ds_config import offloads_optimizer, zero_stage
 from finetune.memory.budget import describe_checkpointing
 from finetune.run.metrics import METRICS_FILE, read_metrics
 from finetune.memory.estimate import GIB, estimate_run
+from finetune.run import console
+from finetune.run import folder as run_folder
 
 OWNED = ("train.output_dir", "train.max_steps")  # compare sets these; --out and --steps say them once for every stage
 BF16_TOLERANCE, FP32_TOLERANCE = 2e-2, 1e-4
@@ -116,13 +118,10 @@ def summarize_run(name: str, run_dir: str, steps: list[dict[str, Any]], skip: in
 
 def what_ran(run_dir: str) -> dict[str, Any]:
     """Stage and offload from the run's resolved ds_config.json, and its memory plan when a budget chose them."""
-    with open(os.path.join(run_dir, "ds_config.json")) as f:
-        ds = json.load(f)
+    ds = run_folder.read_json(run_dir, run_folder.DS_CONFIG)
     out = {"stage": zero_stage(ds), "offload": offloads_optimizer(ds), "plan": None}
-    plan = os.path.join(run_dir, "memory_plan.json")
-    if os.path.isfile(plan):
-        with open(plan) as f:
-            out["plan"] = json.load(f)
+    if run_folder.has(run_dir, run_folder.MEMORY_PLAN):
+        out["plan"] = run_folder.read_json(run_dir, run_folder.MEMORY_PLAN)
         out["ds_config"] = out["plan"]["deepspeed"]
     return out
 
@@ -131,9 +130,8 @@ def estimated_gib(run_dir: str, world: int) -> float | None:
     """finetune.memory.estimate's per-GPU total for the run's own resolved recipe.yaml and ds_config.json."""
     from finetune.model.build import check_model_dir  # lazy: it imports torch (see check_recipe)
 
-    recipe = load_recipe(os.path.join(run_dir, "recipe.yaml"))
-    with open(os.path.join(run_dir, "ds_config.json")) as f:
-        ds = json.load(f)
+    recipe = load_recipe(run_folder.path(run_dir, run_folder.RECIPE))
+    ds = run_folder.read_json(run_dir, run_folder.DS_CONFIG)
     return estimate_run(check_model_dir(recipe.model), recipe, ds, world)["total"] / GIB
 
 
@@ -221,18 +219,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     owned = [o for o in args.overrides if o.partition("=")[0] in OWNED]
     if owned:
-        print(f"zerotune compare: error: {', '.join(owned)}: compare sets these; use --out DIR and --steps N", file=sys.stderr)
+        console.error(f"{', '.join(owned)}: compare sets these; use --out DIR and --steps N")
         return 2
     if args.steps < 1:
-        print("zerotune compare: error: --steps must be >= 1", file=sys.stderr)
+        console.error("--steps must be >= 1")
         return 2
     names = build_runs(args.stages, args.offload, args.budgets)
     missing = [n for n in names if not n.startswith("budget") and not os.path.isfile(os.path.join(args.ds_dir, f"{n}.json"))]
     if missing:
-        print(f"zerotune compare: error: no {', '.join(m + '.json' for m in missing)} in {args.ds_dir}", file=sys.stderr)
+        console.error(f"no {', '.join(m + '.json' for m in missing)} in {args.ds_dir}")
         return 2
     if os.path.isdir(args.out) and os.listdir(args.out) and not args.overwrite:
-        print(f"zerotune compare: error: --out {args.out!r} is not empty: choose a new folder or pass --overwrite", file=sys.stderr)
+        console.error(f"--out {args.out!r} is not empty: choose a new folder or pass --overwrite")
         return 2
     local_gpus = dist.local_gpus()
     cuda = bool(local_gpus)
@@ -242,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_recipe(args.config, args.overrides)
     except ConfigError as e:
-        print(f"zerotune compare: error: {e}", file=sys.stderr)
+        console.error(e)
         return 2
     env = dict(os.environ, PYTHONPATH=shipped.IMPORT_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this machine: keep gloo's traffic on loopback
@@ -280,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda:
         notes.append("On CPU, peak memory is each process's peak resident memory (Python, torch, data included), "
                      "so it is not comparable with the estimate, which counts accelerator memory only; MFU needs a known GPU.")
-    notes.append("Estimated: finetune/memory/estimate.py for each run's resolved recipe.yaml and ds_config.json "
+    notes.append(f"Estimated: finetune/memory/estimate.py for each run's resolved {run_folder.RECIPE} and "
+                 f"{run_folder.DS_CONFIG} "
                  "(weights, gradients, optimizer states, activations, DeepSpeed buffers), to compare with peak allocated.")
     meta = {"config": args.config or "recipes/mistral7b_lora.yaml", "overrides": args.overrides, "steps": args.steps,
             "skip_steps": args.skip_steps if args.steps > args.skip_steps else 0, "gpus": gpus, "tolerance": tolerance,

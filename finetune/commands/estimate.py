@@ -25,6 +25,7 @@ from finetune.ds_config import ds_json_path, resolve_ds_config
 from finetune.memory.budget import plan_memory, with_memory_choice
 from finetune.memory.estimate import (FIT_FRACTION, GIB, SHIPPED, SPEED_ORDER, attention_kind, display_path,
                                       estimate_run, shipped_dir)
+from finetune.run import console, folder as run_folder
 
 MISTRAL_SHAPE = os.path.join("recipes", "mistral7b_shape", "config.json")  # under shipped.ROOT
 
@@ -194,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     gpus = args.gpus if args.gpus is not None else local_gpus
     gpu_memory = args.gpu_memory_gib * GIB if args.gpu_memory_gib else local_memory
     if gpus < 1 or args.nodes < 1 or gpu_memory is None:
-        print("zerotune estimate: error: " + ("no GPU here to read the memory of: pass --gpu-memory-gib (e.g. 80 or 141)"
-              if gpu_memory is None else "--gpus and --nodes must be >= 1"), file=sys.stderr)
+        console.error("no GPU here to read the memory of: pass --gpu-memory-gib (e.g. 80 or 141)"
+                      if gpu_memory is None else "--gpus and --nodes must be >= 1")
         return 2
     cpu_memory = args.cpu_memory_gib * GIB if args.cpu_memory_gib else _local_cpu_memory()
     try:
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         if recipe.model.activation_checkpointing == "auto":  # the table shows the settings; a run plans its own
             recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, activation_checkpointing="full"))
             print("model.activation_checkpointing=auto: the table assumes full; a run on a GPU picks the least "
-                  "recomputation that fits it (see memory_plan.json, or pass --gpu-memory-gib to a run as "
+                  f"recomputation that fits it (see {run_folder.MEMORY_PLAN}, or pass --gpu-memory-gib to a run as "
                   "train.gpu_memory_gib)", file=sys.stderr)
         model_config, model = model_shape(recipe.model)
         deepspeed = ds_json_path(args.deepspeed)
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep = [length_row(model_config, recipe, deepspeed, gpus, args.nodes, gpu_memory, cpu_memory, n,
                             args.config or "recipes/mistral7b_lora.yaml") for n in lengths]
     except (ConfigError, ValueError) as e:
-        print(f"zerotune estimate: error: {e}", file=sys.stderr)
+        console.error(e)
         return 2
     if args.json:
         print(json.dumps({"configs": rows, "seq_lens": sweep} if sweep else rows, indent=2))

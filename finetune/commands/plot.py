@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from typing import Any
 
 from finetune.run.metrics import METRICS_FILE, MetricsError, read_metrics
+from finetune.run import console
 
 # (panel title, y label, series drawn in it: (metrics key, line style, legend suffix))
 PANELS = [
@@ -154,13 +154,13 @@ def plot_throughput_memory(runs: list[dict[str, Any]], path: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="zerotune plot", description=__doc__.splitlines()[0])
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders (train.output_dir) holding metrics.jsonl")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help=f"run folders (train.output_dir) holding {METRICS_FILE}")
     p.add_argument("--out", required=True, metavar="FILE.png", help="PNG file to write")
     args = p.parse_args(argv)
     try:
         drawn = plot_runs(args.run_dirs, args.out)
     except PlotError as e:
-        print(f"zerotune: error: {e}", file=sys.stderr)
+        console.error(e)
         return 2
     steps = ", ".join(f"{d['label']} ({d['points']['loss']} steps, {d['points'].get('eval_loss', 0)} evals)" for d in drawn)
     print(f"wrote {args.out}: {steps}")

@@ -9,11 +9,11 @@ import argparse
 import itertools
 import json
 import os
-import sys
 
 from finetune.config import ConfigError, load_recipe
 from finetune.data import build_datasets
 from finetune.data.tokenizer import load_tokenizer
+from finetune.run import console
 
 
 def pack_fill(data, capacity: int, packing: bool) -> tuple[int, float]:
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         cache_dir = args.cache_dir or os.path.join(recipe.train.output_dir, ".cache")
         train, evaluation, report = build_datasets(recipe.data, tokenizer, recipe.train.seed, cache_dir)
     except (ConfigError, FileNotFoundError) as e:
-        print(f"zerotune: error: {e}", file=sys.stderr)
+        console.error(e)
         return 2
     data = recipe.data
     rows, fill = pack_fill(train, data.max_seq_len, data.packing)

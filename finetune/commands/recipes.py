@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from finetune import shipped
+from finetune.run import console
 
 
 def recipe_summary(path: str) -> str:
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dest = copy_out(args.name, args.dest)
     except (LookupError, OSError) as e:
-        print(f"zerotune recipes cp: error: {e}", file=sys.stderr)
+        console.error(f"recipes cp: {e}")
         return 2
     flag = "--config" if source_of(args.name).endswith(".yaml") else "--deepspeed"
     print(f"copied {args.name} to {dest}: edit it, then pass {flag} {dest}")

@@ -31,6 +31,7 @@ from finetune.data import registry, template
 from finetune.data.registry import Encoder, RecordError, get_format
 from finetune.data.samples import TokenizedData
 from finetune.data.sources import DataError, file_fingerprint, parse_raw, read_raw
+from finetune.run import folder as run_folder
 
 CHUNK_RECORDS = 256  # records per worker task: large enough to amortise pickling, small enough to spread a small file
 _COUNTS = ("records", "dropped_overlong", "truncated", "dropped_no_target")
@@ -236,15 +237,13 @@ _ARRAYS = ("input_ids", "labels", "offsets")
 
 
 def _save(base: str, data: TokenizedData, meta: dict[str, Any]) -> None:
-    tmp = f".{os.getpid()}.tmp"
     for name in _ARRAYS:
-        with open(f"{base}.{name}{tmp}", "wb") as f:
+        with run_folder.atomic_open(f"{base}.{name}.npy", "wb", durable=False) as f:
             np.save(f, getattr(data, name))
-        os.replace(f"{base}.{name}{tmp}", f"{base}.{name}.npy")
-    with open(f"{base}.json{tmp}", "w") as f:
+    # The metadata file is written last and atomically: a reader that sees it sees complete arrays. A cache is
+    # rebuilt from the data when lost, so it needs no fsync.
+    with run_folder.atomic_open(f"{base}.json", durable=False) as f:
         json.dump(meta, f)
-    # The metadata file is written last and atomically: a reader that sees it sees complete arrays.
-    os.replace(f"{base}.json{tmp}", f"{base}.json")
 
 
 def load_or_tokenize(path: str, cfg: DataConfig, tokenizer, cache_dir: str, report: DataReport,

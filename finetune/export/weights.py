@@ -35,7 +35,9 @@ from finetune.config import ConfigError, load_recipe
 from finetune.data.tokenizer import load_tokenizer
 from finetune.ds_config import bf16_enabled, zero_stage
 from finetune.export.tokenizer import write_tokenizer
-from finetune.model.build import build_model, has_weights
+from finetune.model.build import build_model
+from finetune.model.folder import has_weights
+from finetune.run import console, folder as run_folder
 
 SHARD_BYTES = 2 * 2**30
 LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -230,7 +232,7 @@ def export_final(run_dir: str, out: str, merge: bool) -> str:
 
 def _run_recipe(run_dir: str):
     """The recipe and DeepSpeed JSON a run folder was trained with (train.py writes both at its start)."""
-    recipe_file, ds_file = os.path.join(run_dir, "recipe.yaml"), os.path.join(run_dir, "ds_config.json")
+    recipe_file, ds_file = run_folder.path(run_dir, run_folder.RECIPE), run_folder.path(run_dir, run_folder.DS_CONFIG)
     for path in (recipe_file, ds_file):
         if not os.path.isfile(path):
             raise ConfigError(f"{path!r} is missing: a run writes it at its start, and a merge needs it to rebuild "
@@ -290,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             done, origin = export_final(path, args.out, args.merge), os.path.join(path, "export")
     except ConfigError as e:
-        print(f"zerotune: error: {e}", file=sys.stderr)
+        console.error(e)
         return 2
     print(f"exported {done} from {origin}")
     return 0

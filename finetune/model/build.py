@@ -9,38 +9,25 @@ materialises only its own shard while loading: no rank ever holds the full model
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 from typing import Any
 
 import torch
 
-from finetune.model import init_weights
+from finetune.model import folder, init_weights
 from finetune.config import ConfigError, LoraConfig, ModelConfig
 from finetune.ds_config import bf16_enabled, zero_stage
 from finetune.model.recompute import marking
 
-WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
-
-
 def check_model_dir(cfg: ModelConfig) -> dict[str, Any]:
     """Read config.json from model.path, or explain how to get one; returns the config as a dict."""
-    config_file = os.path.join(cfg.path, "config.json")
     if not os.path.isdir(cfg.path):
         raise ConfigError(
             f"model.path {cfg.path!r} does not exist. Download the weights first, e.g. "
             f"`huggingface-cli download mistralai/Mistral-7B-v0.1 --local-dir {cfg.path}` on a machine with network, "
             f"then run with model.path=/path/to/Mistral-7B-v0.1 (or try the tiny recipe: --config recipes/tiny.yaml)"
         )
-    if not os.path.isfile(config_file):
-        raise ConfigError(f"model.path {cfg.path!r} has no config.json: point model.path at a Hugging Face model folder")
-    with open(config_file) as f:
-        return json.load(f)
-
-
-def has_weights(path: str) -> bool:
-    return any(glob.glob(os.path.join(path, pattern)) for pattern in WEIGHT_PATTERNS)
+    return folder.read_config(cfg.path)
 
 
 def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, ds_config: dict[str, Any]):
@@ -65,7 +52,7 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, ds_config: dict[st
                                        model_cfg.recompute_layers)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if model_cfg.random_init or not has_weights(model_cfg.path):
+    if model_cfg.random_init or not folder.has_weights(model_cfg.path):
         torch.manual_seed(model_cfg.init_seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=library_attention(model_cfg))
         # transformers' draw depends on the stage (zero.Init draws module by module on rank 0): redrawn from the seed

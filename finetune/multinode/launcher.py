@@ -37,6 +37,7 @@ from finetune.multinode.jobwatch import SAVE_WAIT_S, run_job, span
 from finetune.multinode.plan import LaunchPlan
 from finetune.multinode.preflight import run_preflight
 from finetune.parallel.degree import check_world
+from finetune.run import console
 
 REPO = shipped.IMPORT_ROOT  # the folder holding this `finetune` package: the checkout, or site-packages
 DEFAULT_SCRIPT = os.path.join(shipped.PACKAGE, "main.py")
@@ -120,7 +121,7 @@ def _start(args: argparse.Namespace, plan: LaunchPlan, env_dir: str | None) -> i
 
 
 def _fail(message: str, code: int) -> int:
-    print(f"zerotune launch: error: {message}", file=sys.stderr, flush=True)
+    console.error(message)
     return code
 
 

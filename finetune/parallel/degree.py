@@ -9,11 +9,10 @@ No torch here: the launcher imports it (finetune/multinode/launcher.py checks th
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 from finetune.config import ConfigError, Recipe
+from finetune.model import folder as model_folder
 
 KEY = "train.sequence_parallel"
 ATTENTION = ("auto", "flex")
@@ -81,8 +80,4 @@ def layout(rank: int, degree: int) -> tuple[int, int]:
 
 
 def _model_config(path: str) -> dict[str, Any]:
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{KEY}: cannot read the model's head counts from {path}/config.json ({e})") from None
+    return model_folder.read_config(path, KEY + "'s model.path")

@@ -21,6 +21,8 @@ import sys
 import warnings
 from collections.abc import Iterator
 
+ERROR_PREFIX = "zerotune: error: "
+"""The start of every error line zerotune prints (error() and error_line() are its only writers)."""
 ENV = "ZEROTUNE_LOG"
 LEVELS = {"warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG}
 # DeepSpeed's notice when it finds no GPU: harmless on a machine that has none, worth seeing on one that has.
@@ -107,3 +109,14 @@ def quiet_stdout() -> Iterator[None]:
     except BaseException:
         print(held.getvalue(), end="", flush=True)
         raise
+
+
+def error_line(message: object) -> str:
+    """`zerotune: error: MESSAGE`: the one form of an error a user reads, whichever command or rank met it."""
+    return f"{ERROR_PREFIX}{message}"
+
+
+def error(message: object) -> None:
+    """Print error_line(message) on standard error. A run's progress and messages go to standard output, its errors
+    here: `> log` keeps the steps, the terminal still shows why a run stopped, `> log 2>&1` keeps both in order."""
+    print(error_line(message), file=sys.stderr, flush=True)

@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from finetune.config import ConfigError
+from finetune.run import folder as run_folder
 
-LOCK_FILE = ".zerotune.lock"
+LOCK_FILE = run_folder.LOCK
 HEARTBEAT_S = 5.0
 """How often the holder touches the lock file."""
 STALE_AFTER_S = 120.0

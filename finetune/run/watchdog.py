@@ -28,7 +28,8 @@ import threading
 import time
 from typing import Any
 
-from finetune.run import activity
+from finetune.run import activity, console
+from finetune.run import folder as run_folder
 from finetune.run import folder_lock
 from finetune.run.activity import ACTIVITY
 
@@ -80,7 +81,7 @@ def enable_flight_recorder(setting: float | str | None) -> None:
 
 class Watchdog:
     def __init__(self, output_dir: str, setting: float | str | None):
-        self.folder = os.path.join(output_dir, "stall")
+        self.folder = run_folder.path(output_dir, run_folder.STALL)
         self.setting = setting
         self.rank, self.world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         self.host, self.pid = socket.gethostname(), os.getpid()
@@ -97,7 +98,7 @@ class Watchdog:
             return
         ACTIVITY.reset()
         os.makedirs(self.folder, exist_ok=True)
-        earlier = [f"rank_{self.rank}.txt", f"rank_{self.rank}.fr.json"] + (["summary.txt"] if self.rank == 0 else [])
+        earlier = [f"rank_{self.rank}.txt", f"rank_{self.rank}.fr.json"] + ([run_folder.STALL_SUMMARY] if self.rank == 0 else [])
         for name in earlier:  # an earlier stall's, in a resumed run's folder
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(self.folder, name))
@@ -134,11 +135,8 @@ class Watchdog:
     def _beat(self) -> None:
         """Write this rank's heartbeat atomically (a reader never sees half a file)."""
         self.beats += 1
-        tmp = f"{self.beat_path}.tmp{self.pid}"
         with contextlib.suppress(OSError):  # a full or vanished disk must not end the run from here
-            with open(tmp, "w") as f:
-                json.dump(self._record(), f)
-            os.replace(tmp, self.beat_path)
+            run_folder.write_text(self.beat_path, json.dumps(self._record()), durable=False)
 
     def _sleep_beating(self, seconds: float, beat: float, until=lambda: False) -> None:
         end = time.monotonic() + seconds
@@ -155,14 +153,12 @@ class Watchdog:
         self._sleep_beating(max(2.0, 3 * beat), beat)
         second = read_beats(self.folder, self.world)
         responding = [k for k in range(self.world) if k == self.rank or _moved(first[k], second[k])]
-        summary_path = os.path.join(self.folder, "summary.txt")
+        summary_path = os.path.join(self.folder, run_folder.STALL_SUMMARY)
         if self.rank == min(responding):
             second[self.rank] = self._record()
             text = "\n".join(summary(first, second, self.rank, self.folder, self.setting, limit, idle)) + "\n"
             with contextlib.suppress(OSError):
-                with open(summary_path + ".tmp", "w") as f:
-                    f.write(text)
-                os.replace(summary_path + ".tmp", summary_path)
+                run_folder.write_text(summary_path, text)
             sys.stderr.write(text)
         else:
             def written() -> bool:
@@ -268,9 +264,9 @@ def summary(first: list, second: list, rank: int, folder: str, setting, limit: f
     at = (f"after step {me['done']}" if me["done"] >= me["step"] else
           f"in step {me['step']} (the last finished: {me['done'] or 'none in this run'})")
     limit_text = "" if shown != "auto" else f", now {limit:.0f} s"
-    lines = [f"zerotune: error: stalled: no progress for {idle:.0f} s (train.stall_timeout_s: {shown}{limit_text}) "
+    lines = [console.error_line(f"stalled: no progress for {idle:.0f} s (train.stall_timeout_s: {shown}{limit_text}) "
              f"{at}; every running rank wrote its Python stacks to {folder}/rank_<K>.txt and exits with code "
-             f"{STALL_EXIT}"]
+             f"{STALL_EXIT}")]
     for k in frozen:
         b = second[k]
         age = max(0.0, time.time() - b["time"])

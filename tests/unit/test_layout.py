@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 
 
 from tests.helpers import ROOT
@@ -17,11 +18,16 @@ PACKAGE = os.path.join(ROOT, "finetune")
 MAX_LINES = 400
 
 # What each room may import from the package, besides itself (prefix match on dotted module names).
+# torch-free, as finetune/parallel/__init__.py, finetune/run/__init__.py and finetune/model/__init__.py are
 MULTINODE_MAY_IMPORT = ("finetune.config", "finetune.dist", "finetune.shipped", "finetune.multinode",
-                        "finetune.parallel.degree")  # torch-free, as finetune/parallel/__init__.py is
-DATA_MAY_NOT_IMPORT = ("finetune.model.build", "finetune.perf", "finetune.train", "finetune.model.optim", "finetune.model.loss",
-                       "finetune.checkpoint", "finetune.export.weights", "finetune.memory", "finetune.multinode",
-                       "finetune.commands")
+                        "finetune.parallel.degree", "finetune.run.console", "finetune.run.folder",
+                        "finetune.model.folder")
+DATA_MAY_NOT_IMPORT = ("finetune.model", "finetune.perf", "finetune.train", "finetune.checkpoint", "finetune.export",
+                       "finetune.memory", "finetune.multinode", "finetune.commands")
+# The top level keeps the main path; everything else lives in a room.
+TOP_LEVEL = {"__init__", "main", "cli", "config", "ds_config", "prepare", "train", "step", "dist", "shipped"}
+MAX_TOP_LEVEL = 10
+ARCHITECTURE = os.path.join(ROOT, "docs", "architecture.md")
 
 
 def _module_name(path: str) -> str:
@@ -131,3 +137,19 @@ def test_data_never_imports_the_model():
 def test_no_module_over_400_lines():
     long = {name: n for name, path in MODULES.items() if (n := sum(1 for _ in open(path))) > MAX_LINES}
     assert not long, f"split these along a seam (at most {MAX_LINES} lines): {long}"
+
+
+def test_the_top_level_keeps_the_main_path_only():
+    top = sorted(name[:-3] for name in os.listdir(PACKAGE) if name.endswith(".py"))
+    assert len(top) <= MAX_TOP_LEVEL, f"finetune/ holds {len(top)} modules (at most {MAX_TOP_LEVEL}): {top}"
+    assert set(top) <= TOP_LEVEL, f"give these a room (run/, model/, ...): {sorted(set(top) - TOP_LEVEL)}"
+
+
+def test_architecture_page_names_every_module():
+    """docs/architecture.md names every module by its path under finetune/, and no module that is gone."""
+    with open(ARCHITECTURE) as f:
+        page = f.read()
+    files = {os.path.relpath(path, ROOT) for path in MODULES.values()}
+    named = set(re.findall(r"`(finetune/[\w/]+\.py)`", page))
+    assert sorted(files - named) == [], "docs/architecture.md does not name these modules"
+    assert sorted(named - files) == [], "docs/architecture.md names modules that do not exist"
