@@ -8,8 +8,8 @@ product silu(gate)·up for the down projection's weight gradient: three [tokens,
 liger's SwiGLU (transformers' own MLP keeps silu(gate) too), 3 x 14,336 bf16 values per token per layer for
 Mistral-7B, most of what a layer keeps. Here the product is rebuilt from gate and up in backward, one elementwise pass
 (by the same kernel as in forward, so the same bits), and never kept: 14,336 bf16 values less per token per layer,
-times tokens and layers. That is what lets a full Mistral-7B fine-tune on an H200 keep every layer's activations at 8
-rows, where it recomputed layers before (finetune/memory/budget.py; docs/benchmarks/2026-11-30-2xh200-vs-peer.md).
+times tokens and layers. The memory planner (finetune/memory/budget.py) counts that saving, so a run that fits more
+activations recomputes fewer layers; what it gave on H200s is in docs/benchmarks/2026-11-30-2xh200-vs-peer.md.
 
 Only an MLP whose down projection is a plain nn.Linear without bias is fused (a LoRA-adapted down_proj keeps peft's or
 finetune/perf/fused_lora.py's path); parameter names and checkpoints are unchanged. Under ZeRO-3 down_proj's weight is an

@@ -13,19 +13,54 @@ RMSNorm and MLP classes), which changes every Mistral built afterwards in the pr
 only the given model's modules change: each RMSNorm and MLP gets liger's forward as an instance attribute, and each
 attention module a copy of its class's forward whose globals map `apply_rotary_pos_emb` to liger's. transformers'
 module, its classes and functions stay as they are.
+
+liger looks for every backend of an op (its Triton kernels, CuTe DSL, cuTile, Ascend NPU) the first time the op runs,
+and logs a warning for each one whose package this machine lacks (cutlass, cuda.tile, torch_npu). zerotune runs the
+Triton kernels, so those notices are noise to a user: a filter on liger's registry logger holds them back unless the
+run is verbose (`--verbose`, ZEROTUNE_LOG=info). A failure of the Triton backend itself, and every other warning of
+liger's, still shows.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
+import re
 import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from finetune.config import ConfigError
+from finetune.run import console
 
 ROPE_NAME = "apply_rotary_pos_emb"
 """The global name MistralAttention.forward calls RoPE by."""
+REGISTRY_LOGGER = "liger_kernel.backends.registry"
+"""The logger liger's op registry reports a backend it could not import on."""
+TRITON_BACKEND = "liger_kernel.ops.backends._triton."
+"""The module prefix of the backend zerotune runs; a failure there is never held back."""
+_IMPORT_FAILURE = re.compile(r"Backend impl '(?P<module>[\w.]+)' for op '[\w.]+' could not be imported")
+
+
+class _OtherBackends(logging.Filter):
+    """Drops liger's notice that a backend other than Triton could not be imported, unless the run is verbose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if console.is_verbose():
+            return True
+        found = _IMPORT_FAILURE.match(record.getMessage())
+        return found is None or found["module"].startswith(TRITON_BACKEND)
+
+
+_OTHER_BACKENDS = _OtherBackends()
+
+
+def quiet_other_backends() -> None:
+    """Hold back liger's notices about backends zerotune does not run (see the module's docstring); safe to call
+    again, and before liger is imported: its registry module's getLogger returns this same logger."""
+    registry = logging.getLogger(REGISTRY_LOGGER)
+    if _OTHER_BACKENDS not in registry.filters:
+        registry.addFilter(_OTHER_BACKENDS)
 
 
 def available() -> str | None:
@@ -57,6 +92,7 @@ class Kernels:
 
 def load_kernels() -> Kernels:
     """liger-kernel's RMSNorm and SwiGLU forwards and its RoPE function."""
+    quiet_other_backends()
     # liger-kernel is optional (CUDA only): imported when a run asks for it. Importing it patches nothing.
     from liger_kernel.transformers.rms_norm import LigerRMSNorm
     from liger_kernel.transformers.rope import liger_rotary_pos_emb

@@ -62,8 +62,9 @@ def available() -> str | None:
 
 
 def _auto_gpu() -> bool:
-    """The GPUs `auto` takes the kernels on: NVIDIA's, compute capability 8.0 or newer (bf16 tensor cores; benchmarked
-    on an H200). Elsewhere (older cards, ROCm) `triton` still asks for them."""
+    """The GPUs `auto` takes the kernels on: NVIDIA's, compute capability 8.0 or newer, whose bf16 tensor cores the
+    kernels' products use (timed on H200s only: docs/benchmarks/2026-11-30-2xh200-vs-peer.md). Elsewhere (older cards,
+    ROCm) `triton` still asks for them."""
     return torch.cuda.is_available() and torch.version.cuda is not None and torch.cuda.get_device_capability() >= (8, 0)
 
 
@@ -112,7 +113,9 @@ def _kernels():
 
 
 # Each kernel's tile (rows, columns; columns a multiple of 8: masks are drawn eight columns at a time), warps and
-# software-pipeline stages; the fastest of benchmarks/lora_dropout_kernels.py's sweep on an H200
+# software-pipeline stages, as chosen by `benchmarks/lora_dropout_kernels.py --sweep` (its timings:
+# docs/benchmarks/2026-11-30-2xh200-vs-peer.md). A tile changes speed only, never a mask: each element's draw is indexed
+# by its row and column.
 TILES = {"low_rank": (32, 128, 4, 4), "backward": (32, 256, 4, 3), "mask": (64, 64, 4, 3)}
 
 
