@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On one GPU machine: the whole test suite in ONE pytest process (no xdist), started in its own process session so it
+# On one GPU machine: the whole test suite in ONE pytest process (no xdist), started by setsid so it
 # outlives a shell whose commands are time-limited; `bash benchmarks/gpu_suite.sh poll` waits for it and prints where
 # it is. Needs the repository as a tar (git archive HEAD -o .gpurun/src.tar) and, where the machine lacks them, the
 # wheels of shared/device/build-wheels.sh in .whl/ and libaio (header + .so, for NVMe offload) in .gpurun/aio/.

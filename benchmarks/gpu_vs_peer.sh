@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7 on the 2xH200 machine, one command: the liger-kernel parity test on the GPU, then zerotune at its defaults
+# The 2xH200 benchmark, one command: the liger-kernel parity test on the GPU, then zerotune at its defaults
 # against HF Trainer + DeepSpeed (defaults and best hand-tuned) on Mistral-7B's shape (benchmarks/vs_peer.py).
 #   GPUS=2 bash benchmarks/gpu_vs_peer.sh [vs_peer.py options, e.g. --configs full_zero2 --systems zerotune]
 # Carry .whl (deepspeed, liger-kernel, pytest wheels) and .gpu/tokenizer. Results: $OUT/$VP_NAME.tgz (vs_peer.json, logs), the table.
@@ -11,7 +11,7 @@ if [ -z "${SKIP_KERNEL_TEST:-}" ]; then
   # zerotune's defaults use these kernels and functions: a failed parity test means the table would time wrong maths
   [ $kernels_rc -eq 0 ] || { echo "GPU kernel tests failed: no benchmark"; exit 1; }
 fi
-name=${VP_NAME:-vp}  # several calls of one session: VP_NAME=a ..., VP_NAME=b ...
+name=${VP_NAME:-vp}  # several runs on one machine: VP_NAME=a ..., VP_NAME=b ...
 # runs/$name/vs_peer.json carried back in (with --resume) continues a benchmark that a capped call cut short.
 python benchmarks/vs_peer.py --model /tmp/init --tokenizer .gpu/tokenizer --data /tmp/syn.jsonl --gpus "${GPUS:-2}" \
   --out "runs/$name" "$@"

@@ -19,7 +19,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-GOAL_PER_CORE = 50_000  # tokens/s per core, from the project issue
+GOAL_PER_CORE = 50_000  # tokens/s per core that the data pipeline aims for
 
 
 def write_corpus(path: str, records: int, seed: int) -> None:

@@ -6,7 +6,7 @@ per GPU per step, bf16, AdamW; full fine-tuning and LoRA r16 (seven projections)
     python benchmarks/vs_peer.py --table DIR/vs_peer.json [MORE.json ...]      # merge runs of several calls, print
 
 Each run is its own `deepspeed` launch (loopback rendezvous); a failed run is recorded with its log's tail and the
-rest go on. Prints a table (tok/s/GPU, MFU, peak memory, ratios, the issue's targets) and writes DIR/vs_peer.json.
+rest go on. Prints a table (tok/s/GPU, MFU, peak memory, ratios, the targets) and writes DIR/vs_peer.json.
 zerotune gets no performance flag: only the recipe, the DeepSpeed file and the work (data, steps, batch).
 """
 
@@ -26,18 +26,20 @@ from finetune.dist import free_port  # noqa: E402
 from finetune.run.metrics import read_metrics  # noqa: E402
 CONFIGS = ("full_zero2", "full_zero3", "lora_zero2", "lora_zero3")
 ROWS = 8  # rows per GPU per step (the peer's default micro-batch)
-PEER = {  # (micro-batch, grad_accum, checkpointing, liger); "best" from shared/FACTS.md's hand-tuning on 2xH200
+PEER = {  # (micro-batch, grad_accum, checkpointing, liger); "best": tuned by hand on 2xH200
     "peer_default": {c: (8, 1, "on", "off") for c in CONFIGS},
     "peer_best": {"full_zero2": (4, 2, "off", "on"), "full_zero3": (4, 2, "off", "off"),
                   "lora_zero2": (8, 1, "off", "on"), "lora_zero3": (8, 1, "on", "off")},
 }
-TARGETS = {"full_zero2": 12000, "full_zero3": 11000, "lora_zero2": 18000, "lora_zero3": 12000}  # issue 7, tok/s/GPU
+# tok/s/GPU that zerotune's defaults aim for on 2xH200 (the table's target column, the plot's red ticks)
+TARGETS = {"full_zero2": 12000, "full_zero3": 11000, "lora_zero2": 18000, "lora_zero3": 12000}
 H200_TFLOPS = 989.0
 
 
 def issue_flops_per_token(seq: int) -> float:
-    """6N + 12·L·h·s for Mistral-7B (N = 7,241,732,096, embeddings included): the issue's and the peer measurement's
-    count, so the MFU column compares with theirs (finetune.run.metrics counts the matmuls only, and attention exactly)."""
+    """6N + 12·L·h·s for Mistral-7B (N = 7,241,732,096, embeddings included): the count behind the targets and the
+    peer's own measurements, so the MFU column compares with theirs (finetune.run.metrics counts the matmuls only, and
+    attention exactly)."""
     return 6 * 7_241_732_096 + 12 * 32 * 4096 * seq
 
 
@@ -178,7 +180,7 @@ def plot(results: list[dict], path: str) -> None:
                   PEER["peer_best"][c] == PEER["peer_default"][c] else 0) for c in CONFIGS]
         bars = ax.bar([x + (i - 1) * width for x in range(len(CONFIGS))], values, width, label=label, color=color)
         ax.bar_label(bars, labels=[f"{v / 1000:.1f}K" if v else "" for v in values], fontsize=7)
-    ax.scatter(range(len(CONFIGS)), [TARGETS[c] for c in CONFIGS], marker="_", s=600, color="red", label="issue target")
+    ax.scatter(range(len(CONFIGS)), [TARGETS[c] for c in CONFIGS], marker="_", s=600, color="red", label="target")
     ax.set_xticks(range(len(CONFIGS)), [c.replace("_", ", ZeRO-")[:-5] + c[-1] for c in CONFIGS])
     ax.set_ylabel("tokens/s per GPU")
     ax.set_title("Mistral-7B shape, seq 2048, 2xH200: zerotune vs HF Trainer + DeepSpeed")
