@@ -1,6 +1,7 @@
 """What a run prints: zerotune's own lines (plan, data, model, progress, samples, the end) and the warnings a user can
-act on. DeepSpeed's INFO logging, its CPU-accelerator notice on a machine without a GPU, its shm op's build line and
-the libraries' FutureWarnings about their own internals appear only with `--verbose` or `ZEROTUNE_LOG=info`.
+act on. DeepSpeed's INFO logging, its CPU-accelerator notice on a machine without a GPU, its shm op's build line, torch's
+barrier notice on one GPU and the libraries' FutureWarnings about their own internals appear only with `--verbose` or
+`ZEROTUNE_LOG=info`.
 
     from finetune.run import console
     console.setup(verbose="--verbose" in sys.argv)   # once, first thing: before deepspeed is imported where possible
@@ -16,6 +17,7 @@ import glob
 import io
 import logging
 import os
+import re
 import shutil
 import sys
 import warnings
@@ -30,6 +32,7 @@ CPU_NOTICE = "Setting accelerator to CPU"
 # FutureWarnings raised inside these libraries about their own internals (torch.distributed's renamed collectives
 # that DeepSpeed calls, ...): the user's code does not call them and cannot change them.
 LIBRARIES = r"(torch|transformers|deepspeed|peft|accelerate|datasets)(\.|$)"
+BARRIER_NOTICE = "barrier(): using the device under current context"
 
 
 def level(verbose: bool = False) -> int:
@@ -88,6 +91,9 @@ def setup(verbose: bool = False) -> int:
             handler.setLevel(lvl)
     else:
         warnings.filterwarnings("ignore", category=FutureWarning, module=LIBRARIES)
+        # torch's notice that barrier() runs on the current device: DeepSpeed binds no device to a one-rank process
+        # group, and finetune.dist.init has set it, so every one-GPU run would print it.
+        warnings.filterwarnings("ignore", message=re.escape(BARRIER_NOTICE), category=UserWarning)
         # torch's C++ warnings (c10d's "hostname of the client socket cannot be retrieved" where a loopback address
         # has no reverse DNS entry, once per rank) follow TORCH_CPP_LOG_LEVEL, read when torch is first imported:
         # this process's, if it has not imported torch yet, and every process it starts. Set by hand, it stays.

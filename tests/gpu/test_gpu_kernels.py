@@ -1,8 +1,8 @@
-"""liger-kernel's RMSNorm, SwiGLU and RoPE (model.kernels) leave the loss curve unchanged: 6 AdamW steps of a small
-Mistral, with and without the kernels, fp32 and bf16. Needs CUDA and liger-kernel (Triton), so CI (CPU) skips it; the
-GPU benchmark call runs it (benchmarks/gpu_vs_peer.sh) and docs/benchmarks/2026-11-30-2xh200-vs-peer.md records the
-result. The kernels go into each model through finetune.perf.apply (per instance: the models without them here are
-transformers' own, whatever ran before).
+"""liger-kernel's RMSNorm, SwiGLU and RoPE (model.kernels) leave the loss curve unchanged: a small Mistral trained for 6
+AdamW steps on one fixed batch, which it memorises (so the loss falls every step), with and without the kernels from
+the same weights, fp32 and bf16. Needs CUDA and liger-kernel (Triton), so CI (CPU) skips it; the GPU runs
+record it (docs/benchmarks/2026-12-03-h200-gpu-tier.md). The kernels go into each model through finetune.perf.apply
+(per instance: the models without them here are transformers' own, whatever ran before).
 """
 
 import os
@@ -30,6 +30,8 @@ def _recipe(model_dir: str, liger: bool, fused_loss: bool) -> Recipe:
 
 
 def _curve(model_dir: str, dtype, liger: bool, steps: int = 6) -> list[float]:
+    """The loss before each of `steps` AdamW steps on one batch of random tokens, the same batch every step: random
+    tokens drawn afresh each step cannot be learned (the loss stays at ln(32,000)), a repeated batch can."""
     from transformers import AutoModelForCausalLM
 
     from finetune.perf.fused_loss import fused_loss
@@ -38,10 +40,9 @@ def _curve(model_dir: str, dtype, liger: bool, steps: int = 6) -> list[float]:
     applied = perf.apply(model, _recipe(model_dir, liger, fused_loss=True), STAGE0)
     assert applied == (["liger", "fused_loss"] if liger else ["fused_loss"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 32000, (2, 128), generator=torch.Generator().manual_seed(0)).cuda()
     losses = []
     for _ in range(steps):
-        ids = torch.randint(0, 32000, (2, 128), generator=g).cuda()
         with fused_loss(model, torch.roll(ids, -1, 1)):
             loss = model(input_ids=ids).logits / ids.numel()
         loss.backward()
@@ -51,14 +52,23 @@ def _curve(model_dir: str, dtype, liger: bool, steps: int = 6) -> list[float]:
     return losses
 
 
+# How far the curves with and without the kernels may part over the 6 steps: fp32 differs only in summation order,
+# bf16 also in where each kernel rounds to bf16 (liger's RMSNorm and SwiGLU compute in fp32 inside and round once).
+PARITY = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+LEARNS = 0.5
+"""The least fall of the loss over the 6 steps (nats): the batch is being memorised, so the curves compared move."""
+
+
 def test_liger_kernels_leave_the_loss_curve(tmp_path):
     model_dir = save_tiny_model(str(tmp_path / "m"), config_dir=TINY_DIR)
-    plain = {dtype: _curve(model_dir, dtype, liger=False) for dtype in (torch.float32, torch.bfloat16)}
-    liger = {dtype: _curve(model_dir, dtype, liger=True) for dtype in (torch.float32, torch.bfloat16)}
-    print({str(k): (plain[k], liger[k]) for k in plain})
-    assert plain[torch.float32][-1] < plain[torch.float32][0]
-    assert max(abs(a - b) for a, b in zip(plain[torch.float32], liger[torch.float32])) < 1e-4
-    assert max(abs(a - b) for a, b in zip(plain[torch.bfloat16], liger[torch.bfloat16])) < 2e-2
+    for dtype, tolerance in PARITY.items():
+        plain, liger = _curve(model_dir, dtype, liger=False), _curve(model_dir, dtype, liger=True)
+        gap = max(abs(a - b) for a, b in zip(plain, liger))
+        print(f"{dtype}: without {[round(x, 5) for x in plain]}, with liger {[round(x, 5) for x in liger]}, "
+              f"largest gap {gap:.2e}")
+        for curve in (plain, liger):
+            assert all(b < a for a, b in zip(curve, curve[1:])) and curve[0] - curve[-1] > LEARNS, (dtype, curve)
+        assert gap < tolerance, (dtype, gap, plain, liger)
 
 
 def _mlp_grads(model, ids):

@@ -100,6 +100,17 @@ def test_library_future_warnings_are_hidden_others_kept(restore):
     assert len(caught) == 1
 
 
+def test_torchs_one_rank_barrier_notice_is_hidden_unless_verbose(restore):
+    restore.setenv(console.ENV, "warning")  # undone after the test, with the "info" that --verbose sets
+    notice = (f"{console.BARRIER_NOTICE}. You can specify `device_id` in `init_process_group` to mute this warning.")
+    for verbose, shown in ((False, []), (True, [notice])):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            console.setup(verbose=verbose)
+            warnings.warn_explicit(notice, UserWarning, "c10d_logger.py", 83, module="torch.distributed.c10d_logger")
+        assert [str(w.message) for w in caught] == shown
+
+
 def test_an_unknown_zerotune_log_value_is_named(restore, capsys):
     restore.setenv(console.ENV, "loud")
     restore.setattr(console._QUIET, "warned", False)
