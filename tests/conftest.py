@@ -1,17 +1,16 @@
-"""Shared setup: the repo root on sys.path (tests.* imports), loopback-only networking for every rank, tiers by folder.
+"""Shared setup: loopback-only networking for every rank, tiers by folder.
 
+tests/ is a package, so pytest puts the repository root on sys.path before it imports this file (tests.* imports).
 Each test is marked by its folder: tests/unit (`unit`), tests/integration (`integration`), tests/gpu (`gpu`, skipped
-without CUDA). `python -m pytest tests/unit` runs one tier, `-m "not integration"` another selection.
+without CUDA). `python -m pytest tests/unit` runs one tier, `-m "not integration"` another selection. Fixtures that
+several modules of one tier use live in that tier's conftest.py; shared constants and helpers in tests/fixtures/.
 """
 
 import os
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from tests.fixtures.paths import ROOT
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -23,8 +23,8 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from finetune.config import Recipe
+from tests.fixtures.paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_PAGE = os.path.join(ROOT, "docs", "configuration.md")
 CONFIG_SOURCE = os.path.join(ROOT, "finetune", "config.py")
 RUNNABLE = ("bash", "python")

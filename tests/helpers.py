@@ -17,9 +17,9 @@ import threading
 import time
 
 from finetune.dist import free_port  # noqa: F401  (tests import it from here)
+from tests.fixtures.paths import ROOT
 from tests.fixtures.zygote import ALLOWED as ZYGOTE_ALLOWED
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_BIN = os.path.dirname(sys.executable)
 PCH_CC = os.path.join(ROOT, "tests", "fixtures", "pch_cc")  # a `c++` in front of the real one (its own comment says why)
 TINY_CONFIG = os.path.join(ROOT, "recipes", "tiny_model", "config.json")

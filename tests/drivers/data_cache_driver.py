@@ -8,9 +8,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from tests.helpers import skip_shm_build  # noqa: E402
+from tests.helpers import skip_shm_build
 
 skip_shm_build()
 

@@ -12,8 +12,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests.helpers import skip_shm_build  # noqa: E402
+from tests.helpers import ROOT, skip_shm_build
 
 skip_shm_build()
 
@@ -25,8 +24,6 @@ from finetune.config import load_recipe  # noqa: E402
 from finetune.ds_config import engine_config, resolve_ds_config  # noqa: E402
 from finetune.model.build import build_model  # noqa: E402
 from finetune.model.optim import build_optimizer  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _bytes(tensors, seen: set) -> int:

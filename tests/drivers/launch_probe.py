@@ -14,9 +14,7 @@ import socket
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from finetune import dist  # noqa: E402
+from finetune import dist
 
 
 def main() -> int:

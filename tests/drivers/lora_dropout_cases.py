@@ -9,8 +9,8 @@ import torch
 
 from finetune.perf import lora_dropout
 from finetune.perf.fused_lora import LoraLinearFunction
-from tests.unit.test_fused_lora import (_check_against_autograd_over_mask, _loss_and_grads, _rel_err,
-                                   _with_and_without_recomputation)
+from tests.fixtures.fused_lora_checks import (check_against_autograd_over_mask, loss_and_grads, rel_err,
+                                              with_and_without_recomputation)
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run by tests/integration/test_lora_dropout.py with TRITON_INTERPRET=1", allow_module_level=True)
@@ -66,7 +66,7 @@ def test_masks_are_uniform_over_the_eight_columns_of_a_draw():
 
 def test_fused_function_equals_autograd_over_the_drawn_mask():
     """The function's output and gradients, with m the mask of the seed it drew (its first random draw)."""
-    _check_against_autograd_over_mask((3, 25), 48, 40, 8, _drawn_mask, seeded=True)
+    check_against_autograd_over_mask((3, 25), 48, 40, 8, _drawn_mask, seeded=True)
 
 
 def _drawn_mask(x2: torch.Tensor) -> torch.Tensor:
@@ -77,11 +77,11 @@ def test_recomputation_redraws_the_same_masks():
     """Inside a Mistral with dropout 0.3 on every projection: checkpointing (torch's RNG restored, so the same seeds
     drawn again) gives the gradients of no checkpointing; eval mode (no dropout) another loss."""
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(4))
-    ((loss_plain, plain), (loss_ckpt, ckpt)), model = _with_and_without_recomputation(ids, dropout_kernel="triton")
+    ((loss_plain, plain), (loss_ckpt, ckpt)), model = with_and_without_recomputation(ids, dropout_kernel="triton")
     assert loss_ckpt == pytest.approx(loss_plain, rel=1e-6)
-    assert _rel_err(ckpt, plain) < 1e-5
+    assert rel_err(ckpt, plain) < 1e-5
     model.eval()
-    assert abs(_loss_and_grads(model, ids)[0] - loss_plain) > 1e-4
+    assert abs(loss_and_grads(model, ids)[0] - loss_plain) > 1e-4
 
 
 def test_keeps_a_seed_instead_of_a_bool_per_element():

@@ -7,14 +7,9 @@ bf16.check_grad_overflow=false) and nan (poison one gradient). Real engines on g
 applied as a run applies it, by finetune.perf.apply_engine.
 """
 
-import os
-import sys
+import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-import torch  # noqa: E402
-
-from tests.helpers import driver_main  # noqa: E402
+from tests.helpers import driver_main
 
 
 def one_case(case: dict) -> dict:

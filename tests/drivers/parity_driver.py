@@ -7,14 +7,11 @@ oracle matrix (4 stages x LoRA/full x fp32/bf16 x 1/2 ranks) within CI's time.
 """
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import torch
 
-import torch  # noqa: E402
-
-from finetune.train import prepare, train  # noqa: E402
-from tests.helpers import driver_main  # noqa: E402
+from finetune.train import prepare, train
+from tests.helpers import driver_main
 
 
 def lora_check(model_dir: str, result: dict):

@@ -16,8 +16,6 @@ import threading
 
 THREADS_AT_START = threading.active_count()
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
 import numpy  # noqa: E402
 import peft  # noqa: E402, F401
 import torch  # noqa: E402
@@ -34,7 +32,7 @@ def main() -> None:
     total = torch.tensor([float(torch_dist.get_rank() + 1)])
     torch_dist.all_reduce(total)
     facts = {
-        "name": __name__, "argv": sys.argv, "cwd": os.getcwd(), "script_folder": sys.path[1],  # [0]: the insert above
+        "name": __name__, "argv": sys.argv, "cwd": os.getcwd(), "script_folder": sys.path[0],
         "rank": os.environ["RANK"], "world": os.environ["WORLD_SIZE"], "all_reduce": total.item(),
         "session_leader": os.getsid(0) == os.getpid(), "threads_at_start": THREADS_AT_START,
         "torch_threads": torch.get_num_threads(), "torch_seed": torch.initial_seed(), "torch_rand": torch.rand(3).tolist(),

@@ -12,19 +12,17 @@ portable files: its result holds the losses, the names that differ, the optimize
 import contextlib
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-import deepspeed  # noqa: E402
-import torch  # noqa: E402
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
+import deepspeed
+import torch
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-from finetune import checkpoint, dist  # noqa: E402
-from finetune.checkpoint import portable  # noqa: E402
-from finetune.export.weights import export_engine  # noqa: E402
-from finetune.data.tokenizer import load_tokenizer  # noqa: E402
-from finetune.train import prepare, train  # noqa: E402
-from tests.helpers import SMALL_VOCAB, TINY_RECIPE, driver_main  # noqa: E402
+from finetune import checkpoint, dist
+from finetune.checkpoint import portable
+from finetune.export.weights import export_engine
+from finetune.data.tokenizer import load_tokenizer
+from finetune.train import prepare, train
+from tests.helpers import SMALL_VOCAB, TINY_RECIPE, driver_main
 
 TOKENIZER = load_tokenizer(SMALL_VOCAB)  # the cases train the small-vocabulary tiny model
 PROMPT_IDS = [TOKENIZER.bos_id] + TOKENIZER.encode("[INST] What does ZeRO stage 3 partition? [/INST]")

@@ -7,14 +7,9 @@ tokens and target tokens, the eval losses, the world size the last checkpoint's 
 attention key the model ran with.
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from finetune import checkpoint  # noqa: E402
-from finetune.train import prepare, train  # noqa: E402
-from tests.helpers import driver_main  # noqa: E402
+from finetune import checkpoint
+from finetune.train import prepare, train
+from tests.helpers import driver_main
 
 
 def one_case(case: dict) -> dict:

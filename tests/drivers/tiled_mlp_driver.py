@@ -4,14 +4,9 @@ so that the tiny model's short rows run several tiles; each result also counts t
     tests/drivers/tiled_mlp_driver.py OUT.json CASES.json   (started by tests.helpers.run_ranks)
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from finetune.perf import tiled_mlp  # noqa: E402
-from tests.drivers import parity_driver  # noqa: E402
-from tests.helpers import driver_main  # noqa: E402
+from finetune.perf import tiled_mlp
+from tests.drivers import parity_driver
+from tests.helpers import driver_main
 
 
 def one_case(case: dict) -> dict:

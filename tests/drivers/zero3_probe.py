@@ -7,8 +7,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests.helpers import skip_shm_build  # noqa: E402
+from tests.helpers import ROOT, skip_shm_build
 
 skip_shm_build()
 
@@ -16,8 +15,6 @@ from finetune import dist, perf  # noqa: E402
 from finetune.config import load_recipe  # noqa: E402
 from finetune.ds_config import resolve_ds_config  # noqa: E402
 from finetune.model.build import build_model, resident_parameter_elements, trainable_parameters  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]

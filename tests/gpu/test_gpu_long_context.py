@@ -12,7 +12,7 @@ import torch
 
 from finetune.perf.fused_mlp import install_fused_mlp
 from finetune.perf.tiled_mlp import install_tiled_mlp
-from tests.unit.test_tiled_mlp import log_tiles
+from tests.fixtures.tile_log import log_tiles
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -8,7 +8,7 @@ import torch
 
 from finetune.perf import lora_dropout
 from finetune.perf.fused_lora import LoraLinearFunction
-from tests.unit.test_fused_lora import _check_against_autograd_over_mask, _rel_err, _with_and_without_recomputation
+from tests.fixtures.fused_lora_checks import check_against_autograd_over_mask, rel_err, with_and_without_recomputation
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -43,14 +43,14 @@ def test_function_equals_autograd_over_the_drawn_mask_on_cuda():
     def drawn_mask(x2):  # the function's first random draw is its seed
         return lora_dropout.keep_mask(lora_dropout.new_seed(x2.device), tuple(x2.shape), 0.25, x2.device)
 
-    _check_against_autograd_over_mask((3, 700), 256, 320, 16, drawn_mask, seeded=True, device="cuda", tol=1e-3)
+    check_against_autograd_over_mask((3, 700), 256, 320, 16, drawn_mask, seeded=True, device="cuda", tol=1e-3)
 
 
 def test_recomputation_redraws_the_same_masks_on_cuda():
     ids = torch.randint(0, 128, (4, 64), generator=torch.Generator().manual_seed(4))
-    ((loss_plain, plain), (loss_ckpt, ckpt)), _ = _with_and_without_recomputation(ids, "cuda", "triton")
+    ((loss_plain, plain), (loss_ckpt, ckpt)), _ = with_and_without_recomputation(ids, "cuda", "triton")
     assert loss_ckpt == pytest.approx(loss_plain, rel=1e-6)
-    assert _rel_err(ckpt, plain) < 1e-5
+    assert rel_err(ckpt, plain) < 1e-5
 
 
 def test_one_projection_keeps_no_mask():

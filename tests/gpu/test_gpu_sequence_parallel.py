@@ -14,7 +14,7 @@ import torch
 
 from finetune.perf import attention
 from tests.helpers import ROOT, TINY_RECIPE, ds_variant, run_ranks, save_tiny_model
-from tests.integration.test_sequence_parallel import overrides
+from tests.fixtures.sequence_parallel_cases import overrides
 
 pytestmark = pytest.mark.skipif(attention.available() is not None or torch.cuda.device_count() < 2,
                                 reason=str(attention.available() or "needs 2 CUDA GPUs"))

@@ -103,17 +103,14 @@ def runs(tmp_path_factory):
     launches[2].append(portable_case({"name": "rows/2to1", "kind": "resume"}, 2, False, 1, "rows/2to1",
                                      "train.grad_accum=4", f"train.max_steps={P_SAVED + 2}", "train.save_every=2",
                                      f"train.resume={saved_at(tmp, pname(2, False), 2)}"))
-    results, stdout, seconds = {}, {}, {}
+    results, stdout = {}, {}
     driver = os.path.join(ROOT, "tests", "drivers", "resume_driver.py")
     for launch, world in enumerate([1, 2, 1, 3]):
         (tmp / f"cases{launch}.json").write_text(json.dumps(launches[launch]))
-        start = time.monotonic()
         done = run_ranks(world, driver, [str(tmp / f"out{launch}.json"), str(tmp / f"cases{launch}.json")],
                          timeout=2400)
-        seconds[launch] = time.monotonic() - start
         stdout[launch] = done.stdout
         results.update(json.loads((tmp / f"out{launch}.json").read_text()))
-    (tmp / "seconds.json").write_text(json.dumps(seconds))
     return tmp, results, stdout
 
 

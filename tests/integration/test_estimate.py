@@ -6,7 +6,8 @@ import os
 import pytest
 from finetune.memory.estimate import (estimate_model_states, precision_bytes)
 from tests.helpers import ROOT, TINY_CONFIG, ds_variant, run_ranks, save_tiny_model
-from tests.unit.test_estimate import CASES, LORA, TINY  # noqa: F401
+from tests.fixtures.estimate_cases import CASES, LORA
+from tests.fixtures.model_shapes import TINY
 
 
 # Padding: ZeRO-1/2 pad each flat group to a multiple of 2 x world elements, ZeRO-3 each tensor to a multiple of world.

@@ -12,7 +12,7 @@ import os
 import re
 import pytest
 from tests.helpers import ROOT, TINY_RECIPE, run_ranks
-from tests.unit.test_hardening import FAULTS, Fault, GOOD, ZERO2, _build, _data, _ds, _hostfile, _prepare, _write  # noqa: F401
+from tests.fixtures.fault_table import FAULTS
 
 
 ZERO0 = os.path.join(ROOT, "ds_configs", "zero0.json")

@@ -21,9 +21,10 @@ import sys
 import time
 import psutil
 import pytest
-from tests.fixtures.sshd_fixture import IsolatedNetwork, LoopbackCluster, free_port, missing_binaries, write_ssh_wrapper
-from tests.unit.test_launcher import ROOT, TRAIN_ARGS  # noqa: F401
-from tests.helpers import SMALL_VOCAB, loopback_env
+from tests.fixtures.launch_args import TRAIN_ARGS
+from tests.fixtures.launch_cluster import has_port, launch, rank_pid, tiny_args
+from tests.fixtures.sshd_fixture import free_port, missing_binaries, write_ssh_wrapper
+from tests.helpers import ROOT
 
 
 PROBE = os.path.join(ROOT, "tests", "drivers", "launch_probe.py")
@@ -53,54 +54,6 @@ def test_preflight_names_unreachable_hosts_within_10s(tmp_path):
     assert re.search(r"FAIL silentnode reach: ssh failed: .*(timed out|banner)", done.stdout), done.stdout
     assert "nothing was started" in done.stderr
     assert "cmd =" not in done.stdout and os.listdir(tmp_path / "cwd") == [], "no runner, no .deepspeed_env"
-
-
-@pytest.fixture(scope="module")
-def netns():
-    """A command prefix that runs inside a loopback-only network namespace (empty where not permitted)."""
-    with IsolatedNetwork() as net:
-        yield net.prefix
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, netns):
-    missing = missing_binaries()
-    if missing:
-        pytest.skip(f"two-node runs need {', '.join(missing)} (apt-get install openssh-server pdsh openmpi-bin)")
-    with LoopbackCluster(str(tmp_path_factory.mktemp("sshd")), prefix=netns) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def hostfile(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hosts") / "two_nodes"
-    path.write_text("# two loopback nodes served by tests/fixtures/sshd_fixture.py\n127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
-    return str(path)
-
-
-def tiny_args(out: str, steps: int) -> list[str]:
-    """The tiny recipe with repo-absolute paths: the launch runs from a temporary folder, not the repo."""
-    return [
-        "--deepspeed", f"{ROOT}/ds_configs/zero3.json", "--config", f"{ROOT}/recipes/tiny.yaml",
-        # the tiny model with the small vocabulary (config.json and tokenizer, seeded random init)
-        f"model.path={SMALL_VOCAB}", f"model.tokenizer={SMALL_VOCAB}", f"data.path={ROOT}/recipes/data/tiny_instruct.jsonl",
-        f"train.max_steps={steps}", "train.log_every=1", "train.sample_prompt=null", f"train.output_dir={out}",
-    ]
-
-
-def launch(prefix: list[str], cwd, env, options: list[str], train_args: list[str],
-           doctor: bool = False) -> subprocess.Popen:
-    """`python -m finetune.multinode.launcher` from `cwd` (not the repo: .deepspeed_env lands there), inside `prefix`'s netns.
-    Without `doctor`, `--no-doctor`: the quick doctor run costs a launch of its own, and only the doctor's tests need it."""
-    os.makedirs(cwd, exist_ok=True)
-    # CPU-only ranks, as loopback_env's: its PYTHONPATH (the repo first, then tests/fixtures/cpu_only) reaches every
-    # rank through .deepspeed_env, and that folder's sitecustomize hides CUDA from each of them.
-    cpu_only = {k: v for k, v in loopback_env().items() if k in ("PYTHONPATH", "CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR")}
-    env = dict(env, **cpu_only, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".cache", "torch_extensions"))  # the shm op, built once
-    cmd = [*prefix, sys.executable, "-m", "finetune.multinode.launcher", *options, *([] if doctor else ["--no-doctor"]),
-           "--", *train_args]
-    return subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def losses(out: str) -> list[float]:
@@ -152,20 +105,6 @@ def _git_status() -> str:
                           text=True, timeout=60, check=True).stdout
 
 
-def _rank_pid(port: int, rank: int, deadline: float) -> int:
-    """The pid of `rank` of the job whose MASTER_PORT is `port` (only our own job's processes match)."""
-    while time.monotonic() < deadline:
-        for p in psutil.process_iter(["cmdline"]):
-            try:
-                env, cmdline = p.environ(), p.info["cmdline"] or []
-                if "-u" in cmdline and env.get("MASTER_PORT") == str(port) and env.get("RANK") == str(rank):
-                    return p.pid
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-        time.sleep(0.5)
-    raise AssertionError(f"rank {rank} of the job on port {port} never started")
-
-
 def test_killed_rank_ends_job_within_60s_naming_it(cluster, hostfile, tmp_path):
     out, port = str(tmp_path / "out"), free_port()
     options = ["--hostfile", hostfile, "--master-port", str(port)]
@@ -174,13 +113,13 @@ def test_killed_rank_ends_job_within_60s_naming_it(cluster, hostfile, tmp_path):
     while not (os.path.exists(os.path.join(out, "metrics.jsonl")) and losses(out)):  # mid-run: a step is done
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
         time.sleep(0.5)
-    os.kill(_rank_pid(port, 1, deadline), signal.SIGKILL)
+    os.kill(rank_pid(port, 1, deadline), signal.SIGKILL)
     killed = time.monotonic()
     output = proc.communicate(timeout=90)[0]
     assert time.monotonic() - killed < 60
     assert proc.returncode != 0
     assert "job failed: rank 1 on 127.0.0.2 was killed by signal 9 (SIGKILL)" in output, output[-4000:]
-    assert not [p for p in psutil.process_iter() if _has_port(p, port)], "ranks left behind"
+    assert not [p for p in psutil.process_iter() if has_port(p, port)], "ranks left behind"
 
 
 def test_watchdog_stops_a_hung_survivor(cluster, hostfile, tmp_path):
@@ -193,14 +132,7 @@ def test_watchdog_stops_a_hung_survivor(cluster, hostfile, tmp_path):
     assert proc.returncode != 0
     assert "ranks still running; stopping the job on every host" in output, output[-4000:]
     assert "job failed: rank 1 on 127.0.0.2 exited with code 3" in output
-    assert not [p for p in psutil.process_iter() if _has_port(p, port)], "ranks left behind"
-
-
-def _has_port(p: psutil.Process, port: int) -> bool:
-    try:
-        return p.environ().get("MASTER_PORT") == str(port) and p.status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return False
+    assert not [p for p in psutil.process_iter() if has_port(p, port)], "ranks left behind"
 
 
 # ---------------------------------------------------------------- the cluster doctor (finetune/multinode/doctor.py)

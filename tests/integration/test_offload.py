@@ -13,7 +13,7 @@ from finetune.config import load_recipe
 from safetensors.torch import load_file
 
 from tests.helpers import ROOT, TINY_CONFIG, TINY_RECIPE, ds_variant, run_ranks, save_tiny_model
-from tests.unit.test_parity import STEPS, overrides
+from tests.fixtures.parity_cases import STEPS, overrides
 
 OFFLOADED = {"zero2_offload": "zero2", "zero3_offload_optimizer": "zero3", "zero3_offload": "zero3",
              "zero3_nvme": "zero3"}

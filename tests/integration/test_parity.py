@@ -8,7 +8,7 @@ import json
 import os
 import pytest
 from tests.helpers import SMALL_VOCAB, SMALL_VOCAB_LAYERS, ROOT, TINY_RECIPE, ds_variant, run_ranks, save_tiny_model
-from tests.unit.test_parity import EVAL_DATA, EVAL_EVERY, STEPS, overrides  # noqa: F401
+from tests.fixtures.parity_cases import EVAL_EVERY, STEPS, overrides
 
 
 STAGES = [0, 1, 2, 3]

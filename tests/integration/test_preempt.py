@@ -31,7 +31,7 @@ import pytest
 from finetune.checkpoint import MARKER, complete_checkpoints
 from tests.fixtures.sshd_fixture import missing_binaries
 from tests.helpers import ROOT, SMALL_VOCAB, TINY_RECIPE, ds_variant, free_port, loopback_env, save_tiny_model, start_ranks
-from tests.integration.test_launcher import _rank_pid, cluster, hostfile, launch, netns  # noqa: F401
+from tests.fixtures.launch_cluster import launch, rank_pid
 
 # pdsh puts `host: ` before each line of a rank.
 LINE = re.compile(r"^(?:\S+: )?stopped at step (\d+) by (SIGTERM|SIGUSR1|train\.stop_at); resume with: (.+)$", re.M)
@@ -120,7 +120,7 @@ def runs(request, tmp_path_factory):
     # Run 1: one rank signalled, then both during the save.
     job = _Job(request, tmp / "cwd", common + [f"train.output_dir={out}"])
     try:
-        ranks = [_rank_pid(job.port, rank, time.monotonic() + 240) for rank in (0, 1)]
+        ranks = [rank_pid(job.port, rank, time.monotonic() + 240) for rank in (0, 1)]
         _wait(lambda: complete_checkpoints(out), job.proc, "step 3's checkpoint")
         before = {step: _hashes(path) for step, path in complete_checkpoints(out)}
         os.kill(ranks[1], signal.SIGTERM)

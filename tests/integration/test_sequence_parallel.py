@@ -14,29 +14,13 @@ import os
 import pytest
 import torch
 
-from tests.helpers import ROOT, SMALL_VOCAB, TINY_RECIPE, ds_variant, run_ranks, save_tiny_model
-from tests.unit.test_parity import EVAL_DATA
+from tests.fixtures.sequence_parallel_cases import overrides
+from tests.helpers import ROOT, TINY_RECIPE, ds_variant, run_ranks, save_tiny_model
 
-STEPS = 4
-ROWS_PER_MICRO = 2
-ROWS_PER_STEP = 4  # every world: 2 rows x accumulation (4 / data-parallel ranks / 2)
 CASES = [(stage, lora) for stage in (2, 3) for lora in (False, True)]
 TOLERANCE = 1e-5
 EXPORT_AND_SAMPLE = ("train.export=true", "train.sample_prompt=What does ZeRO stage 3 partition?",
                      "train.sample_max_new_tokens=4")
-
-
-def overrides(model_dir: str, out: str, lora: bool, sp: int, data_parallel: int, attn: str = "flex",
-              extra: tuple = ()) -> list[str]:
-    return [
-        f"model.path={model_dir}", f"model.tokenizer={SMALL_VOCAB}", "model.activation_checkpointing=full",
-        f"model.attn_implementation={attn}", f"lora.enabled={str(lora).lower()}", "lora.dropout=0.0", "lora.rank=8",
-        "data.max_seq_len=256", "optim.lr=1e-3", "optim.warmup_steps=2", "optim.weight_decay=0.1",
-        f"train.max_steps={STEPS}", f"train.micro_batch_size={ROWS_PER_MICRO}",
-        f"train.grad_accum={ROWS_PER_STEP // ROWS_PER_MICRO // data_parallel}", f"train.sequence_parallel={sp}",
-        f"train.output_dir={out}", "train.sample_prompt=null", "train.log_every=100", "train.export=false",
-        f"data.eval_path={EVAL_DATA}", "train.eval_every=2", *extra,
-    ]
 
 
 def name(stage: int, lora: bool, tag: str) -> str:

@@ -22,10 +22,10 @@ import pytest
 from finetune.checkpoint import complete_checkpoints
 from tests.fixtures.sshd_fixture import missing_binaries
 from tests.helpers import ROOT, SMALL_VOCAB, free_port, loopback_env, save_tiny_model, start_ranks
-from tests.integration.test_launcher import _has_port, _rank_pid, cluster, hostfile, launch, netns, tiny_args  # noqa: F401
+from tests.fixtures.launch_cluster import has_port, launch, rank_pid, tiny_args
 
 TIMEOUT_S = 8
-# As tests/integration/test_launcher.py's tiny_args, which the pdsh run uses.
+# As tests/fixtures/launch_cluster.py's tiny_args, which the pdsh run uses.
 ARGS = ["--deepspeed", os.path.join(ROOT, "ds_configs", "zero3.json"), "--config", os.path.join(ROOT, "recipes", "tiny.yaml"),
         f"model.tokenizer={SMALL_VOCAB}", f"data.path={ROOT}/recipes/data/tiny_instruct.jsonl", "train.sample_prompt=null",
         "train.log_every=1"]
@@ -67,7 +67,7 @@ def _stop_after_a_checkpoint(out, pid: int, running, deadline: float) -> tuple[f
 
 
 def _pdsh_run(request, out, args: list[str]) -> dict:
-    """Run 1 through `zerotune launch` on the two loopback "nodes" (tests/integration/test_launcher.py's sshd)."""
+    """Run 1 through `zerotune launch` on the two loopback "nodes" (tests/integration/conftest.py's sshd)."""
     nodes, hosts = request.getfixturevalue("cluster"), request.getfixturevalue("hostfile")
     port, cwd = free_port(), out.parent / "cwd"
     options = ["--hostfile", hosts, "--master-port", str(port), "--failure-grace", "3"]
@@ -75,7 +75,7 @@ def _pdsh_run(request, out, args: list[str]) -> dict:
     pid = None
     try:
         deadline = time.monotonic() + 240
-        pid = _rank_pid(port, 1, deadline)
+        pid = rank_pid(port, 1, deadline)
         stopped_at, frozen = _stop_after_a_checkpoint(out, pid, lambda: proc.poll() is None, deadline)
         log = proc.communicate(timeout=TIMEOUT_S + 60)[0]
         seconds = time.monotonic() - stopped_at
@@ -90,7 +90,7 @@ def _pdsh_run(request, out, args: list[str]) -> dict:
     # the line of DeepSpeed's launcher on that host, which reports the rank's own code.
     code = (re.search(r"127\.0\.0\.1: ssh exited with exit code (\d+)", log)
             or re.search(r"127\.0\.0\.1: .*\[launch\.py:\d+:sigkill_handler\] .* exits with return code = (\d+)", log))
-    left = [p for p in psutil.process_iter() if _has_port(p, port)]
+    left = [p for p in psutil.process_iter() if has_port(p, port)]
     return {"pdsh": True, "seconds": seconds, "code": int(code[1]) if code else None, "job_code": proc.returncode,
             "pid": pid, "frozen": frozen, "log": log, "left_behind": left}
 

@@ -2,7 +2,6 @@
 the choice fits, every faster option does not, the batch per step is kept; host memory refuses and warns; and the
 messages when nothing fits or no budget can be read."""
 
-import json
 import os
 
 import pytest
@@ -12,9 +11,9 @@ from finetune.memory import budget
 from finetune.config import ConfigError, load_recipe
 from finetune.ds_config import resolve_ds_config
 from finetune.memory.estimate import FIT_FRACTION, GIB, SHIPPED, SPEED_ORDER, estimate_run
+from tests.fixtures.model_shapes import MISTRAL
 from tests.helpers import ROOT, TINY_RECIPE
 
-MISTRAL = json.load(open(os.path.join(ROOT, "recipes", "mistral7b_shape", "config.json")))
 RECIPES = {"lora": os.path.join(ROOT, "recipes", "mistral7b_lora.yaml"),
            "full": os.path.join(ROOT, "recipes", "mistral7b_full.yaml")}
 NODE_RAM = 256 * GIB

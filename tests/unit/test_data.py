@@ -16,9 +16,9 @@ from finetune.config import ConfigError, DataConfig, load_recipe
 from finetune.data import build_datasets
 from finetune.data.tokenizer import load_tokenizer
 from finetune.commands.preprocess import main as preprocess
+from tests.fixtures.data_files import TINY_INSTRUCT, write_lines
 from tests.helpers import ROOT, TINY_RECIPE
 
-TINY = os.path.join(ROOT, "recipes", "data", "tiny_instruct.jsonl")  # 40 alpaca records
 CHAT = os.path.join(ROOT, "recipes", "data", "sample_chat.jsonl")  # 400 messages records
 EVAL = os.path.join(ROOT, "tests", "fixtures", "data", "eval_alpaca.jsonl")  # 7 alpaca records
 
@@ -34,11 +34,6 @@ def samples(data) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
 
 def same(a, b) -> bool:
     return all(np.array_equal(getattr(a, k), getattr(b, k)) for k in ("input_ids", "labels", "offsets"))
-
-
-def write_lines(path, lines) -> str:
-    path.write_text("".join(line + "\n" for line in lines))
-    return str(path)
 
 
 # --- 3. tokenize once ---------------------------------------------------------------------------------
@@ -58,20 +53,20 @@ def tokenize_calls(monkeypatch):
 
 
 def test_cache_is_built_once_and_reused(tok, tmp_path, tokenize_calls, monkeypatch):
-    cfg = DataConfig(path=TINY, format="alpaca", max_seq_len=256)
+    cfg = DataConfig(path=TINY_INSTRUCT, format="alpaca", max_seq_len=256)
     first, _, report = build_datasets(cfg, tok, 42, str(tmp_path))
-    assert tokenize_calls == [TINY] and report.built_cache
+    assert tokenize_calls == [TINY_INSTRUCT] and report.built_cache
 
     encodes = []
     monkeypatch.setattr(tok, "encode", lambda text: encodes.append(text) or [])
     second, _, report = build_datasets(cfg, tok, 42, str(tmp_path))
-    assert tokenize_calls == [TINY] and encodes == [] and not report.built_cache
+    assert tokenize_calls == [TINY_INSTRUCT] and encodes == [] and not report.built_cache
     assert same(first, second) and report.samples == 40
 
 
 def test_changed_data_file_rebuilds_the_cache(tok, tmp_path, tokenize_calls):
     path = tmp_path / "data.jsonl"
-    shutil.copy(TINY, path)
+    shutil.copy(TINY_INSTRUCT, path)
     cfg = DataConfig(path=str(path), format="alpaca", max_seq_len=256)
     before, _, _ = build_datasets(cfg, tok, 42, str(tmp_path / "cache"))
     text = path.read_text()
@@ -119,7 +114,7 @@ def test_worker_errors_name_file_and_line(tok, tmp_path, monkeypatch):
 # --- 5. mixing ----------------------------------------------------------------------------------------
 
 def test_mix_weights_counts_and_determinism(tok, tmp_path):
-    cfg = DataConfig(path=TINY, format="alpaca", max_seq_len=512,
+    cfg = DataConfig(path=TINY_INSTRUCT, format="alpaca", max_seq_len=512,
                      mix=[f"{EVAL}:2.5", f"{CHAT}:0.1:messages", f"{EVAL}"])
     train, _, report = build_datasets(cfg, tok, 42, str(tmp_path))
     used = [s["used"] for s in report.sources]
@@ -154,7 +149,7 @@ def test_mix_weights_counts_and_determinism(tok, tmp_path):
     ("{EVAL}:1:nope", "data.mix[0] '{EVAL}:1:nope': unknown dataset format 'nope'; known formats: alpaca,"),
 ])
 def test_mix_entry_errors_name_the_entry(tok, tmp_path, entry, message):
-    cfg = DataConfig(path=TINY, mix=[entry.format(EVAL=EVAL)])
+    cfg = DataConfig(path=TINY_INSTRUCT, mix=[entry.format(EVAL=EVAL)])
     with pytest.raises(ConfigError) as e:
         build_datasets(cfg, tok, 42, str(tmp_path))
     assert message.format(EVAL=EVAL) in str(e.value)
@@ -168,12 +163,12 @@ def test_mix_from_the_command_line():
 # --- eval split ---------------------------------------------------------------------------------------
 
 def test_eval_fraction_holds_out_before_mixing(tok, tmp_path):
-    cfg = DataConfig(path=TINY, format="alpaca", max_seq_len=512, eval_fraction=0.1, mix=[f"{EVAL}:3"])
+    cfg = DataConfig(path=TINY_INSTRUCT, format="alpaca", max_seq_len=512, eval_fraction=0.1, mix=[f"{EVAL}:3"])
     train, evaluation, report = build_datasets(cfg, tok, 42, str(tmp_path))
     assert report.eval_samples == len(evaluation) == 4 + 1  # round(0.1 x 40) + max(1, round(0.1 x 7))
     assert [s["samples"] for s in report.sources] == [36, 6] and len(train) == 36 + 3 * 6
     assert not set(samples(evaluation)) & set(samples(train))  # no copy of an eval sample is trained on
-    everything = Counter(samples(build_datasets(DataConfig(path=TINY, max_seq_len=512), tok, 42, str(tmp_path))[0]))
+    everything = Counter(samples(build_datasets(DataConfig(path=TINY_INSTRUCT, max_seq_len=512), tok, 42, str(tmp_path))[0]))
     assert Counter(samples(train)[:36]) + Counter(samples(evaluation)[:4]) == everything
     again = build_datasets(cfg, tok, 42, str(tmp_path))
     assert same(train, again[0]) and same(evaluation, again[1])

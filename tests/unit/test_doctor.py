@@ -16,7 +16,7 @@ import pytest
 from finetune.multinode import doctor, launcher
 from finetune.multinode.doctor import DoctorReport, bus_bandwidth, ifname_problems, nccl_findings, parse_nccl_log
 from finetune.multinode.jobwatch import JobWatch
-from tests.unit.test_launcher import GOLDEN, TRAIN_ARGS
+from tests.fixtures.launch_args import GOLDEN, TRAIN_ARGS
 
 IB_TWO_NODES = """\
 gpu01:4021:4021 [0] NCCL INFO Bootstrap : Using ib0:10.10.0.1<0>

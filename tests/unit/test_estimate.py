@@ -11,12 +11,10 @@ import pytest
 from finetune.config import LoraConfig
 from finetune.memory.estimate import (GIB, count_parameters, estimate_activations, estimate_model_states, lora_parameters)
 from finetune.commands.estimate import main
-from tests.helpers import SMALL_VOCAB, ROOT, TINY_CONFIG
+from tests.fixtures.estimate_cases import LORA
+from tests.fixtures.model_shapes import MISTRAL, TINY
+from tests.helpers import SMALL_VOCAB, ROOT
 
-MISTRAL = json.load(open(os.path.join(ROOT, "recipes", "mistral7b_shape", "config.json")))
-TINY = json.load(open(TINY_CONFIG))
-# the default: all seven projections, fused (finetune/perf/fused_lora.py); torch's dropout, as a run on a CPU draws it
-LORA = LoraConfig(rank=16, dropout_kernel="torch")
 UNFUSED = LoraConfig(rank=16, fused=False)  # peft's own forward
 COUNTS = {"mistral": (MISTRAL, 7_241_732_096, 41_943_040), "tiny": (TINY, 8_930_432, 149_504)}
 
@@ -60,11 +58,6 @@ def test_full_7b_figures_and_offload():
     assert estimate_model_states(MISTRAL, None, 0, 2, dtype_bytes=4)["optimizer"] == 8 * n
     with pytest.raises(ValueError, match="needs ZeRO-1, 2 or 3"):
         estimate_model_states(MISTRAL, None, 0, 2, offload_optimizer=True)
-
-
-CASES = [("zero0", True, False), ("zero1", True, False), ("zero2", True, False), ("zero3", True, False),
-         ("zero0", True, True), ("zero1", True, True), ("zero2", True, True), ("zero3", True, True),
-         ("zero1", False, False), ("zero2", False, False), ("zero3", False, False)]
 
 
 def _saved_bytes(lora: LoraConfig | None, attn: str, packed: bool, fp32_adapters: bool,

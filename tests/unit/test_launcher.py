@@ -22,12 +22,11 @@ from finetune.multinode import launcher
 from finetune.multinode.hostfile import HostfileError, expand_nodelist, filter_hosts, load_hostfile, parse_hostfile, slurm_hosts
 from finetune.multinode.jobwatch import JobWatch
 from finetune.multinode.launcher import LaunchError, merge_env_file
+from tests.fixtures.launch_args import GOLDEN, TRAIN_ARGS
 from tests.fixtures.sshd_fixture import missing_binaries, write_ssh_wrapper
+from tests.helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-GOLDEN = os.path.join(ROOT, "tests", "fixtures", "golden", "launch")
 UPDATE_GOLDEN = bool(os.environ.get("ZEROTUNE_UPDATE_GOLDEN"))
-TRAIN_ARGS = ["--deepspeed", "ds_configs/zero3.json", "--config", "recipes/tiny.yaml", "train.max_steps=10"]
 
 
 # ---------------------------------------------------------------- hostfiles, filters, Slurm

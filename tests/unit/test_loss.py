@@ -148,7 +148,7 @@ def test_lora_on_lm_head_is_refused():
 
 def test_estimator_logits_term_is_one_chunk():
     from finetune.memory.estimate import estimate_activations
-    from tests.unit.test_estimate import MISTRAL
+    from tests.fixtures.model_shapes import MISTRAL
 
     plain = estimate_activations(MISTRAL, None, 2048, 4, "full")
     fused = estimate_activations(MISTRAL, None, 2048, 4, "full", fused_loss=True)

@@ -1,27 +1,9 @@
 """What the oracle matrix (tests/integration/test_parity.py) relies on: the micro-batches of a step hold different
 numbers of target tokens, so 1 rank x accumulation 2 against 2 ranks x accumulation 1 tests the loss normalisation.
-`overrides` is the recipe every case of the matrix trains."""
+`overrides` (tests/fixtures/parity_cases.py) is the recipe every case of the matrix trains."""
 
-import os
-
-
-from tests.helpers import SMALL_VOCAB, ROOT, TINY_RECIPE
-
-STEPS = 6
-EVAL_EVERY = 3
-EVAL_DATA = os.path.join(ROOT, "tests", "fixtures", "data", "eval_alpaca.jsonl")
-
-
-def overrides(model_dir: str, out: str, lora: bool, world: int, tokenizer: str = SMALL_VOCAB) -> list[str]:
-    return [
-        f"model.path={model_dir}", f"model.tokenizer={tokenizer}", "model.activation_checkpointing=full",
-        f"lora.enabled={str(lora).lower()}", "lora.dropout=0.0", "lora.rank=8",
-        "data.max_seq_len=128",
-"optim.lr=1e-3", "optim.warmup_steps=3", "optim.weight_decay=0.1",
-        f"train.max_steps={STEPS}", "train.micro_batch_size=2", f"train.grad_accum={2 // world}",
-        f"train.output_dir={out}", "train.sample_prompt=null", "train.log_every=100",
-        f"data.eval_path={EVAL_DATA}", f"train.eval_every={EVAL_EVERY}",
-    ]
+from tests.fixtures.parity_cases import STEPS, overrides
+from tests.helpers import SMALL_VOCAB, TINY_RECIPE
 
 
 def test_micro_batches_hold_different_target_counts(tmp_path):

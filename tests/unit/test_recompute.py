@@ -10,8 +10,8 @@ import torch
 from finetune.config import ConfigError, load_recipe
 from finetune.memory.estimate import estimate_activations, recomputed_layers
 from finetune.model.build import build_model
+from tests.fixtures.model_shapes import MISTRAL
 from tests.helpers import TINY_RECIPE, save_tiny_model
-from tests.unit.test_budget import MISTRAL
 
 FP32_STAGE0 = {"zero_optimization": {"stage": 0}}
 

@@ -14,7 +14,7 @@ from finetune.data.loader import IGNORE, StepLoader, collate, eval_micro_batches
 from finetune.parallel.split import padded_width, split_rows
 from finetune.parallel.ulysses import _whole_kv_heads
 from tests.helpers import ROOT, SMALL_VOCAB, TINY_RECIPE
-from tests.integration.test_sequence_parallel import ROWS_PER_MICRO, ROWS_PER_STEP, STEPS, overrides
+from tests.fixtures.sequence_parallel_cases import ROWS_PER_MICRO, ROWS_PER_STEP, STEPS, overrides
 
 PAD = 0
 

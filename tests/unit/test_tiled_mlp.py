@@ -15,6 +15,7 @@ from finetune.perf import tiled_mlp
 from finetune.perf.fused_lora import install_fused_lora
 from finetune.perf.fused_mlp import install_fused_mlp
 from finetune.perf.tiled_mlp import install_tiled_mlp
+from tests.fixtures.tile_log import log_tiles
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 32, 88, 2, 96
 TILE = 16
@@ -54,14 +55,6 @@ def _variant(kind: str, fused_mlp: bool):
 
 def _mlp_of(model):
     return next(m for n, m in model.named_modules() if n.endswith("layers.0.mlp"))
-
-
-def log_tiles(mlp) -> list[int]:
-    """The token count of each tile that the tiled MLP `mlp` runs from now on, in order."""
-    tiles = []
-    inner = mlp._tiled_mlp_inner
-    mlp._tiled_mlp_inner = lambda t: tiles.append(t.shape[0]) or inner(t)
-    return tiles
 
 
 def _grads(module, x, weight):

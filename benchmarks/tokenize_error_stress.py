@@ -1,9 +1,10 @@
-"""The tokenizer pool's error path, many times over: a file with one bad record tokenized on 2 workers, N times.
-Each round must end with the bad line named; a round that takes over 60 s is a hang, and every thread's stack is
-printed before the script exits with code 1. Too slow for the suite (about 0.25 s a round, and a hang is rare);
-run it by hand after changing finetune/data/cache.py's worker pool:
+"""The tokenizer pool's error path, many times over: a file with one bad record tokenized on 2 workers, N rounds.
+What it measures: whether any round hangs, and the slowest round's seconds. Each round must end with the bad line
+named; a round that takes over HANG_S seconds is a hang, and every thread's stack is printed before the script exits
+with code 1. A hang is rare, so this runs by hand, not in the suite (tests/unit/test_data.py checks one round and
+that no worker is left); run it after changing finetune/data/cache.py's worker pool:
 
-    python tests/drivers/tokenize_error_stress.py 400
+    python benchmarks/tokenize_error_stress.py 400    # prints: 400 rounds, each naming the bad line; the slowest ...
 """
 
 import faulthandler
@@ -12,7 +13,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository, for finetune and tests
 
 HANG_S = 60
 
