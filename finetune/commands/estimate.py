@@ -22,7 +22,7 @@ from typing import Any
 from finetune import dist, shipped
 from finetune.config import ConfigError, load_recipe
 from finetune.ds_config import ds_json_path, resolve_ds_config
-from finetune.memory.budget import plan_memory, with_memory_choice
+from finetune.memory.budget import host_memory, plan_memory, with_memory_choice
 from finetune.memory.estimate import (FIT_FRACTION, GIB, SHIPPED, SPEED_ORDER, attention_kind, display_path,
                                       estimate_run, shipped_dir)
 from finetune.run import console, folder as run_folder
@@ -167,11 +167,16 @@ def _local_gpus() -> tuple[int, float | None]:
     return (len(gpus), gpus[0]) if gpus else (1, None)
 
 
-def _local_cpu_memory() -> float | None:
-    try:
-        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError):
-        return None
+def cpu_memory_line(cpu_memory: float | None, given: bool) -> str:
+    """What CPU memory per node the offloading rows were held to, and where that figure came from: by default this
+    machine's, which may not be the nodes' that will train."""
+    if cpu_memory is None:
+        return ("CPU memory per node: unknown (this machine's could not be read; pass --cpu-memory-gib): offloading "
+                "configurations are not checked against it")
+    source = ("--cpu-memory-gib" if given else
+              "this machine's: MemTotal, capped by its cgroup limit; --cpu-memory-gib sets another")
+    return (f"CPU memory {cpu_memory / GIB:.1f} GiB per node ({source}): an offloading configuration fits only when "
+            f"its CPU / node is at most that")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, default=None, help="GPUs per node (default: this machine's, or 1)")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpu-memory-gib", type=float, default=None, help="memory of one GPU (default: this machine's GPU)")
-    p.add_argument("--cpu-memory-gib", type=float, default=None, help="memory of one node, for offloading (default: this machine's)")
+    p.add_argument("--cpu-memory-gib", type=float, default=None, help="CPU memory of one node, for offloading (default: this machine's; the table says which it used)")
     p.add_argument("--seq-lens", metavar="N,N,...", default=None,
                    help="memory against sequence length: the peak per GPU of the --deepspeed file and the plan at each "
                         "(default: a sweep up to data.max_seq_len when it is longer than 8192; `none` for no sweep)")
@@ -198,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         console.error("no GPU here to read the memory of: pass --gpu-memory-gib (e.g. 80 or 141)"
                       if gpu_memory is None else "--gpus and --nodes must be >= 1")
         return 2
-    cpu_memory = args.cpu_memory_gib * GIB if args.cpu_memory_gib else _local_cpu_memory()
+    # what a run on this machine is held to (finetune/memory/budget.py), unless the nodes' memory is given
+    cpu_memory = args.cpu_memory_gib * GIB if args.cpu_memory_gib else host_memory()[0]
     try:
         recipe = load_recipe(args.config, args.overrides)
         if recipe.model.activation_checkpointing == "auto":  # the table shows the settings; a run plans its own
@@ -233,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.nodes} node(s)")
     print(f"GPU memory {gpu_memory / GIB:.1f} GiB: a configuration fits when its peak is <= {FIT_FRACTION:.0%} of it. "
           f"GiB per GPU; peak = the larger of backward (weights + grads + optimizer + activations + buffers) and the "
-          f"optimizer step (weights + optimizer + buffers + grads at step); * = {args.deepspeed}\n")
+          f"optimizer step (weights + optimizer + buffers + grads at step); * = {args.deepspeed}")
+    print(cpu_memory_line(cpu_memory, bool(args.cpu_memory_gib)) + "\n")
     print(format_table(rows, deepspeed))
     print("\n" + recommend(rows))
     if sweep:

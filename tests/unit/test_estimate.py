@@ -321,3 +321,31 @@ def test_cli_memory_against_sequence_length(capsys):
     assert [line.split("|")[1].strip() for line in default.splitlines() if line.startswith("| ") and
             line.split("|")[1].strip().replace(",", "").isdigit()] == ["8,192", "32,768", "65,536"]
     assert "memory against" not in _cli(capsys, "141", "512", "data.max_seq_len=65536", "--seq-lens=none")
+
+
+def test_cli_says_which_cpu_memory_the_offload_rows_were_held_to(capsys, monkeypatch):
+    """Offloading rows fit only within the CPU memory per node: by default this machine's (what a run here is held
+    to), which the output names, with the option that sets the nodes' own."""
+    import finetune.commands.estimate as estimate_command
+
+    def offload_fits(out: str) -> list[str]:
+        return [line.split("|")[-2].strip() for line in out.splitlines() if line.startswith("| ZeRO") and "offload" in line]
+
+    out = _cli(capsys, "141", "256")
+    assert "CPU memory 256.0 GiB per node (--cpu-memory-gib): an offloading configuration fits" in out
+    assert offload_fits(out) == ["yes", "yes", "yes"]  # 135 and 148 GiB per node
+
+    args = ["--config", "mistral7b_full", "--deepspeed", "zero3", "--gpus", "2", "--gpu-memory-gib", "141",
+            f"model.path={os.path.join(ROOT, 'recipes', 'mistral7b_shape')}"]
+    monkeypatch.setattr(estimate_command, "host_memory", lambda: (100 * GIB, 60 * GIB))
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "CPU memory 100.0 GiB per node (this machine's: MemTotal, capped by its cgroup limit; --cpu-memory-gib " \
+           "sets another)" in out
+    assert offload_fits(out) == ["no", "no", "no"]
+
+    monkeypatch.setattr(estimate_command, "host_memory", lambda: (None, None))
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "CPU memory per node: unknown" in out and "pass --cpu-memory-gib" in out
+    assert offload_fits(out) == ["yes", "yes", "yes"]  # not checked against an unknown figure
