@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install zerotune and train the tiny recipe under ZeRO-3 with 2 processes (2 CPU processes, or 2 GPUs when present),
-# then print a sample generation from the trained model. Run from the repository root: bash launch/quickstart.sh
+# Install zerotune into a virtual environment (the active one, else .venv in this checkout, created when missing) and
+# train the tiny recipe under ZeRO-3 with 2 processes (2 CPU processes, or 2 GPUs when present), then print a sample
+# generation from the trained model. Run from the repository root: bash launch/quickstart.sh
 # Extra arguments are recipe overrides (train.max_steps=50); --verbose also prints DeepSpeed's own logging.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,8 +10,19 @@ quietly() {
   local log; log=$(mktemp)
   if "$@" >"$log" 2>&1; then rm -f "$log"; else local rc=$?; cat "$log" >&2; rm -f "$log"; return $rc; fi
 }
+# Never into the system's Python: the active virtual environment, else .venv here (the README's install makes the same).
+if [[ -n "${VIRTUAL_ENV:-}" ]]; then
+  echo "installing zerotune into the active virtual environment, $VIRTUAL_ENV"
+else
+  if [[ -d .venv ]]; then made="the virtual environment here"; else quietly python3 -m venv .venv; made="a new virtual environment here"; fi
+  # shellcheck disable=SC1091  # created above
+  . .venv/bin/activate
+  echo "installing zerotune into .venv, $made (for the commands after this one: . .venv/bin/activate)"
+fi
+# The README's install lines (tests/unit/test_docs.py checks that they are the same), with pip's -q.
+quietly pip install -q --upgrade pip setuptools wheel
 if command -v nvidia-smi >/dev/null 2>&1; then
-  quietly pip install -q --no-build-isolation -e '.[plot]'                         # GPU machines keep the torch they have
+  quietly pip install -q --no-build-isolation -e '.[plot]'                         # keeps the CUDA torch the environment has
 else
   quietly pip install -q torch==2.13.0                                             # the CPU build, alone first: deepspeed builds against it
   quietly pip install -q --no-build-isolation -c .ci/constraints.txt -e '.[plot]'  # the versions CI tests

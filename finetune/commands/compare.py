@@ -160,7 +160,8 @@ def write_summary(out: str, runs: list[dict[str, Any]], meta: dict[str, Any]) ->
              f"time average steps {meta['skip_steps'] + 1}-{meta['steps']} (the first {meta['skip_steps']} left out as "
              f"warm-up); peak memory is the largest over all steps and ranks. Losses are compared step by step with the "
              f"first stage that finished ({meta['reference']}); tolerance {meta['tolerance']:g}.")
-    header = ("| run | stage | offload | chosen | tok/s/GPU | MFU | step time (s) | peak allocated (GiB) | peak reserved (GiB) "
+    per = "GPU" if meta["ranks"] == "GPUs" else "rank"  # a CPU run's ranks are processes, not GPUs
+    header = (f"| run | stage | offload | chosen | tok/s/{per} | MFU | step time (s) | peak allocated (GiB) | peak reserved (GiB) "
               "| estimated (GiB) | final loss | max loss diff | flag |")
     title = "Memory budget comparison" if any(r["name"].startswith("budget") for r in runs) else "ZeRO stage comparison"
     lines = [f"# {title}: {meta['config']}", "", intro, "", header,
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         run.setdefault("ds_config", os.path.join(args.ds_dir, f"{name}.json"))
         run["estimated_gib"] = estimated_gib(run_dir, gpus)
         runs.append(run)
-        print(f"compare: {name}: {_fmt(run['tokens_per_s_per_gpu'], ',.0f')} tok/s/GPU, "
+        print(f"compare: {name}: {_fmt(run['tokens_per_s_per_gpu'], ',.0f')} tok/s/{'GPU' if cuda else 'rank'}, "
               f"peak {run['peak_mem_gib']:.2f} GiB, final loss {run['final_loss']:.4f}", file=sys.stderr, flush=True)
 
     tolerance = args.tolerance if args.tolerance is not None else (BF16_TOLERANCE if bf16 else FP32_TOLERANCE)

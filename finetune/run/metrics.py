@@ -57,6 +57,14 @@ def peak_tflops() -> float | None:
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
+def rank_unit() -> str:
+    """What each rank trains on, for per-rank figures such as tokens/s: a `GPU` under CUDA, else a CPU process
+    (`rank`), so that a CPU run's figures are not read as a GPU's."""
+    import torch  # lazy: see the module docstring
+
+    return "GPU" if torch.cuda.is_available() else "rank"
+
+
 def peak_memory_gib() -> float:
     """Peak accelerator memory allocated by this process, or peak resident memory on CPU."""
     import torch  # lazy: see the module docstring
@@ -118,7 +126,7 @@ class MetricsLog:
         mfu = f" | MFU {100 * record['mfu']:.1f}%" if record.get("mfu") is not None else ""
         print(
             f"step {step}/{self.max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-            f"grad_norm {norm} | {record['tokens_per_s']:,.0f} tok/s ({record['tokens_per_s_per_gpu']:,.0f}/GPU){mfu} | "
+            f"grad_norm {norm} | {record['tokens_per_s']:,.0f} tok/s ({record['tokens_per_s_per_gpu']:,.0f}/{rank_unit()}){mfu} | "
             f"mem {record['peak_mem_gib']:.1f} GiB | ETA {_duration(eta)}",
             file=sys.stderr, flush=True,
         )

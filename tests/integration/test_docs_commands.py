@@ -20,6 +20,7 @@ import sys
 import pytest
 
 from tests.docs_pages import all_blocks
+from tests.fixtures.quickstart_install import pip_calls, readme_install_commands, write_stand_ins
 from tests.helpers import ROOT, VENV_BIN, free_port, loopback_env
 
 # Linked into the folder: what a fresh clone has, less runs/ (the folder's own) and build outputs.
@@ -36,30 +37,26 @@ def checkout(tmp_path_factory):
         if name not in NOT_LINKED and (not name.startswith(".") or name in HIDDEN_LINKED):
             os.symlink(os.path.join(ROOT, name), folder / name)
     stand_in = tmp_path_factory.mktemp("bin")
-    for name in ("pip", "pip3"):
-        # Installs nothing, but talks as an editable install does (setuptools' notices on stderr, even with -q):
-        # the quickstart shows pip's output only when pip fails.
-        (stand_in / name).write_text('#!/bin/sh\necho "(pip $*: skipped, this environment is installed)"\n'
-                                     'echo "  BuildBackendWarning: Editable installation." >&2\n')
-        (stand_in / name).chmod(0o755)
+    pip_log = write_stand_ins(str(stand_in))
     with open(os.path.join(ROOT, "launch", "quickstart.sh")) as f:
         script = f.read()
     # The stand-in must be what installs, or the test would install this checkout's copy into the environment.
     assert "-m pip" not in script, "launch/quickstart.sh runs `python -m pip`: the test's `pip` stand-in misses it"
     env = loopback_env(PATH=os.pathsep.join([str(stand_in), VENV_BIN, os.environ.get("PATH", "")]))
+    env.pop("VIRTUAL_ENV", None)  # a fresh clone's shell: the quickstart makes .venv (the stand-in's) and installs there
     port = free_port()
     # One stream, as a terminal shows it: the README's block is stdout and stderr in their order.
     proc = subprocess.run(["bash", "launch/quickstart.sh"], cwd=folder, env={**env, "MASTER_PORT": str(port)},
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200)
     assert proc.returncode == 0, f"the quickstart failed ({proc.returncode}):\n{proc.stdout[-8000:]}"
     assert os.path.isfile(folder / "runs" / "tiny" / "export" / "config.json"), os.listdir(folder / "runs" / "tiny")
-    return folder, env, proc.stdout, port
+    return folder, env, proc.stdout, port, pip_calls(pip_log)
 
 
 # A progress line: its step and lr are the same everywhere; loss and grad_norm move by a few percent with the CPU's
 # kernels and thread count (a sum's order); tokens/s, memory and ETA are the machine's.
 PROGRESS = re.compile(r"^step (\d+)/(\d+) \| loss ([\d.]+) \| lr (\S+) \| grad_norm ([\d.]+) \| [\d,]+ tok/s "
-                      r"\([\d,]+/GPU\) \| mem [\d.]+ GiB \| ETA [\d:]+$")
+                      r"\([\d,]+/rank\) \| mem [\d.]+ GiB \| ETA [\d:]+$")
 
 
 def readme_quickstart_output() -> list[str]:
@@ -73,7 +70,7 @@ def readme_quickstart_output() -> list[str]:
 
 
 def test_the_quickstart_prints_what_the_readme_shows(checkout):
-    _, _, output, _ = checkout
+    _, _, output, _, _ = checkout
     printed = [line for line in output.splitlines() if line.strip()]
     shown = readme_quickstart_output()
     assert len(printed) <= 15 and len(printed) == len(shown), "\n".join(printed)
@@ -88,8 +85,19 @@ def test_the_quickstart_prints_what_the_readme_shows(checkout):
             assert float(g[i]) == pytest.approx(float(w[i]), abs=0.02, rel=0.15), (got, want)
 
 
+def test_the_quickstart_installs_into_a_new_virtual_environment_with_the_readmes_lines(checkout):
+    """From a shell with no virtual environment the quickstart makes .venv in the checkout and installs there, never
+    into the Python it was started with; on a CPU machine with the README's lines for one."""
+    folder, _, _, _, calls = checkout
+    assert os.path.isfile(folder / ".venv" / "bin" / "activate")
+    assert calls and {venv for venv, _ in calls} == {str(folder / ".venv")}, calls
+    readme = readme_install_commands()
+    # pip itself, torch's CPU build alone, then zerotune with the versions the tests run with (not the GPU line)
+    assert [[w for w in args.split() if w != "-q"] for _, args in calls] == [readme[0], readme[2], readme[3]]
+
+
 def test_the_quickstart_learns_its_training_answer(checkout):
-    folder, _, _, _ = checkout
+    folder, _, _, _, _ = checkout
     run = folder / "runs" / "tiny"
     steps = [r for r in map(json.loads, open(run / "metrics.jsonl")) if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 121))
@@ -105,7 +113,7 @@ def test_the_quickstart_learns_its_training_answer(checkout):
 
 
 def test_the_quickstart_writes_resolved_configs(checkout):
-    folder, _, _, _ = checkout
+    folder, _, _, _, _ = checkout
     run = folder / "runs" / "tiny"
     ds = json.load(open(run / "ds_config.json"))
     assert ds["train_batch_size"] == 2 and ds["train_micro_batch_size_per_gpu"] == 1
@@ -118,12 +126,24 @@ def test_the_quickstart_writes_resolved_configs(checkout):
 def test_the_quickstart_leaves_no_shared_memory_behind(checkout):
     """DeepSpeed's CPU shm all-reduce never unlinks its per-rank workspace; finetune/dist.py does, or every CPU run
     would leave two in /dev/shm (RAM) until a day of runs fills it."""
-    _, env, _, port = checkout
+    _, env, _, port, _ = checkout
     built = glob.glob(os.path.join(env["TORCH_EXTENSIONS_DIR"], "deepspeed_shm_comm*", "*.so"))
     assert built, "the op was not built: DeepSpeed's CPU backend loads it in every run when it builds"
     leftovers = [name for name in os.listdir("/dev/shm") if name.startswith("deepspeed_allreduce_buffer_")
                  and f"_127.0.0.1_{port}_" in name]
     assert leftovers == []
+
+
+@pytest.mark.parametrize("dashes", [["--"], []], ids=["with --", "without --"])
+def test_single_node_passes_the_training_arguments_with_or_without_a_leading_dashdash(dashes):
+    """launch/single_node.sh adds the launcher's own `--`: one given too (as `zerotune launch` takes them) is not passed
+    on to finetune/main.py."""
+    proc = subprocess.run(["bash", "launch/single_node.sh", *dashes, "--deepspeed", "zero3_fp32", "--config", "tiny"],
+                          cwd=ROOT, env=loopback_env(LAUNCH_ARGS="--dry-run", NUM_GPUS="2"), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    command = next(line for line in proc.stdout.splitlines() if line.startswith("$ "))
+    assert command.endswith(" finetune/main.py --deepspeed zero3_fp32 --config tiny"), command
 
 
 def test_there_are_runnable_blocks():
@@ -132,7 +152,7 @@ def test_there_are_runnable_blocks():
 
 @pytest.mark.parametrize("block", RUNNABLE, ids=[b.id for b in RUNNABLE])
 def test_block_runs_as_written(checkout, block):
-    folder, env, _, _ = checkout
+    folder, env, _, _, _ = checkout
     if block.lang == "bash":
         cmd = ["bash", "-e", "-o", "pipefail", "-c", block.text]
     else:

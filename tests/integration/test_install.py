@@ -1,5 +1,7 @@
 """A non-editable build carries ds_configs/ and recipes/ inside the package, and the installed copy runs from a folder
-outside the checkout, importing nothing from it: `estimate` with shipped names and no weights, and `recipes`.
+outside the checkout, importing nothing from it: `estimate` with shipped names and no weights, and `recipes`. And the
+environment launch/quickstart.sh installs into: the active virtual environment, else the checkout's .venv (a new one:
+tests/integration/test_docs_commands.py, which runs the whole quickstart).
 
 The wheel is built from a copy of the checkout's sources: building in place writes build/ and *.egg-info into the
 checkout, and a stale build/lib there could carry a file the sources no longer have.
@@ -11,6 +13,7 @@ import subprocess
 import sys
 import zipfile
 
+from tests.fixtures.quickstart_install import pip_calls, write_stand_ins
 from tests.helpers import ROOT
 
 # Names matched at any depth: none of them is a folder of the package or of the shipped files.
@@ -64,3 +67,36 @@ def test_wheel_carries_the_shipped_files_and_runs_outside_the_checkout(tmp_path)
     for path in SHIPPED[:5]:
         assert os.path.basename(path) in out
     assert ROOT not in out
+
+
+def _quickstart_until_pip(tmp_path, env_extra: dict[str, str], venv: bool) -> tuple[str, list[tuple[str, str]], str]:
+    """Run launch/quickstart.sh in a checkout-like folder with a pip that fails at once: (what it printed, pip's
+    calls, the folder). The quickstart stops at the install, after choosing the environment."""
+    folder, stand_in = tmp_path / "checkout", tmp_path / "bin"
+    folder.mkdir()
+    stand_in.mkdir()
+    os.symlink(os.path.join(ROOT, "launch"), folder / "launch")
+    if venv:  # made earlier, e.g. by the README's install lines
+        (folder / ".venv" / "bin").mkdir(parents=True)
+        (folder / ".venv" / "bin" / "activate").write_text(f'export VIRTUAL_ENV="{folder / ".venv"}"\n')
+    log = write_stand_ins(str(stand_in), pip_exit=1)
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    env.update(PATH=os.pathsep.join([str(stand_in), os.environ.get("PATH", "")]), **env_extra)
+    done = subprocess.run(["bash", "launch/quickstart.sh"], cwd=folder, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    return done.stdout, pip_calls(log), str(folder)
+
+
+def test_the_quickstart_installs_into_the_active_virtual_environment(tmp_path):
+    out, calls, folder = _quickstart_until_pip(tmp_path, {"VIRTUAL_ENV": str(tmp_path / "mine")}, venv=False)
+    assert out.splitlines()[0] == f"installing zerotune into the active virtual environment, {tmp_path / 'mine'}"
+    assert calls == [(str(tmp_path / "mine"), "install -q --upgrade pip setuptools wheel")]
+    assert not os.path.exists(os.path.join(folder, ".venv"))
+
+
+def test_the_quickstart_uses_the_checkouts_venv_when_none_is_active(tmp_path):
+    out, calls, folder = _quickstart_until_pip(tmp_path, {}, venv=True)
+    assert out.splitlines()[0].startswith("installing zerotune into .venv, the virtual environment here (")
+    assert ". .venv/bin/activate" in out.splitlines()[0]
+    assert [venv for venv, _ in calls] == [os.path.join(folder, ".venv")]

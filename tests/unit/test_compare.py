@@ -104,3 +104,13 @@ def test_a_random_init_recipe_runs_as_given_and_a_missing_model_is_refused_befor
     assert main(["--config", TINY_RECIPE, "--out", str(tmp_path / "cmp"), f"model.path={tmp_path / 'nowhere'}"]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert os.listdir(tmp_path / "cmp") == ["logs"] and not os.listdir(tmp_path / "cmp" / "logs")
+
+
+def test_the_throughput_column_names_what_a_rank_ran_on(tmp_path):
+    meta = {"config": "x", "steps": 2, "skip_steps": 1, "gpus": 2, "reference": "zero0", "tolerance": 2e-2,
+            "notes": [], "plots": {}}
+    runs = [_run("zero0", [10.0, 9.0])]
+    compare_losses(runs, 2e-2)
+    for ranks, column in (("GPUs", "| tok/s/GPU |"), ("CPU processes", "| tok/s/rank |")):
+        write_summary(str(tmp_path), runs, dict(meta, ranks=ranks))
+        assert column in (tmp_path / "summary.md").read_text(), ranks

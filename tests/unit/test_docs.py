@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 
 import pytest
 import yaml
 
-from tests.docs_pages import (CONFIG_PAGE, MARK, ROOT, all_blocks, config_keys, documented_keys, generated_part,
+from finetune.commands.estimate import main as estimate_main
+from tests.docs_pages import (CONFIG_PAGE, MARK, ROOT, all_blocks, blocks, config_keys, documented_keys, generated_part,
                               pages, render_tables)
+from tests.fixtures.quickstart_install import install_block, quickstart_install_commands, readme_install_commands
 
 REGENERATE = "run `python -m tests.docs_pages` to regenerate docs/configuration.md's tables"
 NEEDS = {"gpu", "weights", "nodes", "slurm", "network"}  # what a CPU machine after the quickstart may lack
-README_SECTIONS = ["Install", "Two commands", "The commands at a glance", "Your own data", "Mistral-7B for real",
+README_SECTIONS = ["Install", "Quickstart", "The commands at a glance", "Your own data", "Mistral-7B for real",
                    "Save, resume, export", "Configuration", "Links"]
 # Words about how the work on zerotune was organised, which mean nothing to a user.
 NOT_FOR_USERS = re.compile(r"the issue's|\bnot lent\b|\bwere lent\b|\bthis session\b|\bthe lead\b", re.I)
@@ -123,3 +126,38 @@ def test_readme_is_a_front_page():
 def test_pages_speak_to_users():
     found = [f"{page}: {m.group()!r}" for page in pages() for m in NOT_FOR_USERS.finditer(_read(page))]
     assert found == []
+
+
+def _estimate_excerpts() -> list[tuple[str, list[str], list[str]]]:
+    """(block id, the command's arguments, the output lines shown) for each ```bash block that is one `zerotune
+    estimate` command followed by a plain ``` block, its output."""
+    found = []
+    for page in pages():
+        page_blocks = blocks(page)
+        for block, after in zip(page_blocks, page_blocks[1:]):
+            command = block.text.replace("\\\n", " ").strip()
+            closing = block.line + block.text.count("\n") + 1  # the line of its closing fence
+            if (block.lang == "bash" and command.startswith("zerotune estimate ") and "\n" not in command
+                    and after.lang == "" and after.line == closing + 2):
+                found.append((block.id, shlex.split(command)[2:], after.text.rstrip("\n").split("\n")))
+    return found
+
+
+def test_estimate_outputs_on_the_pages_are_what_the_command_prints(capsys):
+    """Each page's `zerotune estimate` output is an excerpt, line for line, of what that command prints now."""
+    excerpts = _estimate_excerpts()
+    assert "docs/memory.md" in {block_id.split(":")[0] for block_id, _, _ in excerpts}
+    for block_id, argv, shown in excerpts:
+        assert estimate_main(argv) == 0, block_id
+        printed = capsys.readouterr().out.rstrip("\n").split("\n")
+        starts = [i for i in range(len(printed)) if printed[i:i + len(shown)] == shown]
+        assert starts, (f"{block_id}: the output shown is not what `zerotune estimate {shlex.join(argv)}` prints now; "
+                        f"paste the matching lines of:\n" + "\n".join(printed))
+
+
+def test_the_install_lines_are_one():
+    """README's install block is docs/install.md's, and the quickstart runs the same pip commands (with -q)."""
+    readme = readme_install_commands()
+    assert len(readme) == 4 and ["install", "torch==2.13.0"] in readme, readme
+    assert install_block("docs/install.md") == install_block("README.md")
+    assert quickstart_install_commands() == readme

@@ -56,3 +56,17 @@ def test_the_entry_point_still_exports_what_callers_import():
     assert train.prepare is prepare.prepare and train.Run is prepare.Run and train.parse_args is prepare.parse_args
     assert train.TrainingError is step.TrainingError and train.evaluate is step.evaluate
     assert callable(train.main) and callable(train.train)
+
+
+@pytest.mark.parametrize("cuda,unit", [(True, "GPU"), (False, "rank")])
+def test_the_progress_line_names_what_a_rank_ran_on(monkeypatch, capsys, tmp_path, cuda, unit):
+    """Tokens/s per GPU under CUDA; on a CPU, per rank (a process), never labelled GPU."""
+    import torch
+
+    from finetune.run.metrics import MetricsLog
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    MetricsLog(str(tmp_path), 10, enabled=True).progress(
+        {"step": 1, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1150.0, "tokens_per_s_per_gpu": 575.0,
+         "peak_mem_gib": 1.0})
+    assert f"| 1,150 tok/s (575/{unit}) |" in capsys.readouterr().err
