@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         run_dir, log = os.path.join(args.out, name), os.path.join(args.out, "logs", f"{name}.log")
         cmd = run_command(name, args, gpus, dist.free_port())
-        print(f"compare: {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+        print(f"compare: {name}: {' '.join(cmd)}", flush=True)
         with open(log, "w") as f:
             code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, check=False).returncode
         metrics = os.path.join(run_dir, METRICS_FILE)
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         run["estimated_gib"] = estimated_gib(run_dir, gpus)
         runs.append(run)
         print(f"compare: {name}: {_fmt(run['tokens_per_s_per_gpu'], ',.0f')} tok/s/{'GPU' if cuda else 'rank'}, "
-              f"peak {run['peak_mem_gib']:.2f} GiB, final loss {run['final_loss']:.4f}", file=sys.stderr, flush=True)
+              f"peak {run['peak_mem_gib']:.2f} GiB, final loss {run['final_loss']:.4f}", flush=True)
 
     tolerance = args.tolerance if args.tolerance is not None else (BF16_TOLERANCE if bf16 else FP32_TOLERANCE)
     compare_losses(runs, tolerance)

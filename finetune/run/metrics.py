@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import sys
 import time
 from typing import Any
 
@@ -128,7 +127,7 @@ class MetricsLog:
             f"step {step}/{self.max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
             f"grad_norm {norm} | {record['tokens_per_s']:,.0f} tok/s ({record['tokens_per_s_per_gpu']:,.0f}/{rank_unit()}){mfu} | "
             f"mem {record['peak_mem_gib']:.1f} GiB | ETA {_duration(eta)}",
-            file=sys.stderr, flush=True,
+            flush=True,  # stdout, with every other line of the run: `> train.log` keeps the steps
         )
 
 

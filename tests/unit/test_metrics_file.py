@@ -69,4 +69,4 @@ def test_the_progress_line_names_what_a_rank_ran_on(monkeypatch, capsys, tmp_pat
     MetricsLog(str(tmp_path), 10, enabled=True).progress(
         {"step": 1, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1150.0, "tokens_per_s_per_gpu": 575.0,
          "peak_mem_gib": 1.0})
-    assert f"| 1,150 tok/s (575/{unit}) |" in capsys.readouterr().err
+    assert f"| 1,150 tok/s (575/{unit}) |" in capsys.readouterr().out
