@@ -10,6 +10,15 @@ finish that step, save it and leave; train.main prints `stopped at step N by SIG
 exits 0. A signal after the first (Slurm and a launcher may both send one; an impatient user) is counted and
 ignored: the save goes on, and it becomes visible only by its atomic rename (finetune/checkpoint/store.py), so a
 SIGKILL at any moment leaves the previous complete checkpoint the newest one.
+
+Which process is signalled decides whether the job ends in that save and exit 0: a rank, or `zerotune launch`
+(finetune/multinode/jobwatch.py), which runs DeepSpeed's processes in a session of their own, so that a SIGTERM to
+its whole process group (`timeout`, `kill -- -PGID`) reaches it alone, passes the signal on to the ranks and waits
+for their save. A SIGTERM to the whole process group of a plain `deepspeed --num_gpus N` run cannot end so, whatever
+the ranks do: DeepSpeed's runner sets no handler on one node and dies of it at once (143), and its
+deepspeed.launcher.launch SIGTERMs the ranks, SIGKILLs them 30 s later and exits 1. Hence the ranks do not leave
+the launcher's process group (os.setsid) either: the runner would still die, Ctrl-C would reach them only as the
+launcher's SIGTERM (a save, not a stop), and a launcher killed by SIGKILL would leave them training.
 """
 
 from __future__ import annotations
