@@ -278,7 +278,7 @@ def test_one_machine_under_two_names_is_refused(tmp_path, capsys, monkeypatch):
     with pytest.raises(HostfileError, match=re.escape(f"{hostfile}:3: ::1 and {hostfile}:2: localhost are one machine")):
         load_hostfile(str(hostfile))
     assert launcher.main(["--hostfile", str(hostfile), "--dry-run"]) == 2
-    assert "zerotune launch: error: " in capsys.readouterr().err
+    assert "zerotune: error: " in capsys.readouterr().err
     hostfile.write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\nno-such-node.invalid slots=1\n")
     assert load_hostfile(str(hostfile)) == {"127.0.0.1": 1, "127.0.0.2": 1, "no-such-node.invalid": 1}
 

@@ -176,7 +176,7 @@ def test_the_launcher_refuses_it_before_any_rank_starts(tmp_path, monkeypatch, c
     args = ["--hostfile", str(hostfile), "--dry-run", "--", "--config", TINY_RECIPE]
     assert launcher.main([*args, "train.sequence_parallel=4"]) == 2
     err = capsys.readouterr().err
-    assert "zerotune launch: error: train.sequence_parallel=4 does not divide the 2 rank(s) of this run" in err
+    assert "zerotune: error: train.sequence_parallel=4 does not divide the 2 rank(s) of this run" in err
     assert launcher.main([*args, "train.sequence_parallel=2"]) == 0
 
 
