@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -99,13 +100,43 @@ def parse_raw(where: str, raw: str | dict[str, Any]) -> dict[str, Any]:
     try:
         record = json.loads(raw)
     except json.JSONDecodeError as e:
-        # The column within the line: an error at its end (an unclosed object) is past the last character, not at
-        # column 1 of the "line" after the newline, where json counts it.
-        column = min(e.pos, len(raw.rstrip("\r\n"))) + 1
-        raise DataError(f"{where}: malformed JSON ({e.msg} at column {column}); fix or remove that line") from None
+        text = raw.rstrip(_JSON_SPACE)
+        if _cut_short(text):
+            raise DataError(f"{where}: the line is cut short: its JSON record stops at column {len(text)} before it "
+                            f"is complete (a file truncated mid-record?); complete the record or remove that line"
+                            ) from None
+        # The column within the line, counted from 1.
+        raise DataError(f"{where}: malformed JSON ({_what(e, e.pos + 1)}); fix or remove that line") from None
     if not isinstance(record, dict):
         raise DataError(f"{where}: each line must be a JSON object, got {type(record).__name__}")
     return record
+
+
+_JSON_SPACE = " \t\r\n"  # the whitespace JSON allows between values (str.rstrip() drops more)
+# What is left of a JSON value that the end of the text cut: a literal's first letters (tr, fals, nu), a lone minus
+# sign, or a number's decimal point or exponent (json stops before them: "1." fails at the ".").
+_CUT_VALUE = re.compile(r"t(r(ue?)?)?|f(a(l(se?)?)?)?|n(u(ll?)?)?|-|\.|[eE][+-]?")
+_CUT_ESCAPE = re.compile(r"u[0-9a-fA-F]{0,4}")  # a \uXXXX escape the end cut (json wants a character after it)
+
+
+def _cut_short(text: str) -> bool:
+    """Whether JSON `text` (its trailing whitespace dropped, so that a line end after the cut does not count as a
+    character inside a string) fails only because it ends too soon, i.e. it is the start of a valid JSON value: the
+    decoder stops at its very end, inside a string that never closes, or in a value or escape that the end cut
+    (`{"a": tr`, `{"a": 1.`, a string's escape cut after its u)."""
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as e:
+        tail = text[e.pos:]
+        return (e.pos >= len(text) or e.msg.startswith("Unterminated string") or _CUT_VALUE.fullmatch(tail) is not None
+                or (e.msg.startswith("Invalid \\uXXXX") and _CUT_ESCAPE.fullmatch(tail) is not None))
+    return False
+
+
+def _what(e: json.JSONDecodeError, column: int) -> str:
+    """json's own words for the error and where, e.g. 'Invalid control character at column 12': its message already
+    ends in "at" for some errors ("Invalid control character at"), which is not said twice."""
+    return f"{e.msg.removesuffix(' at')} at column {column}"
 
 
 def _lines(path: str) -> Iterator[tuple[int, str]]:
@@ -169,10 +200,15 @@ def _read_json(path: str) -> Iterator[tuple[str, dict[str, Any]]]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
+        body = text.rstrip(_JSON_SPACE)
+        if _cut_short(body):
+            raise DataError(f"{path}:{body.count(chr(10)) + 1}: the file is cut short: its JSON stops on this line "
+                            f"before it is complete (a file truncated mid-record?); restore the rest of the file or "
+                            f"write it again") from None
         fix = "fix the JSON there"
         if e.msg == "Extra data" and text.lstrip().startswith("{"):
             fix = f"the file holds one JSON object per line, which is JSON Lines: rename it to {_renamed(path, '.jsonl')}"
-        raise DataError(f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno}); {fix}") from None
+        raise DataError(f"{path}:{e.lineno}: malformed JSON ({_what(e, e.colno)}); {fix}") from None
     if not isinstance(data, list):
         raise DataError(f"{path}: a .json data file must hold a list of records (or use .jsonl, one record per line)")
     for i, record in enumerate(data):

@@ -46,8 +46,8 @@ def test_a_malformed_line_is_one_error_naming_file_and_line(runs):
     assert failed.returncode == 2, output[-6000:]
     errors = [line for line in output.splitlines() if "zerotune: error:" in line]
     assert len(errors) == 1, output[-6000:]
-    assert errors == [f"zerotune: error: {data}:3: malformed JSON (Expecting ',' delimiter at column 50); fix or "
-                      f"remove that line"]
+    assert errors == [f"zerotune: error: {data}:3: the line is cut short: its JSON record stops at column 49 before "
+                      f"it is complete (a file truncated mid-record?); complete the record or remove that line"]
     assert "Traceback" not in output, output[-6000:]
 
 

@@ -106,7 +106,7 @@ def test_worker_errors_name_file_and_line(tok, tmp_path, monkeypatch):
         assert multiprocessing.active_children() == []  # the workers finished their chunks and exited, none killed
     lines[9] = good
     path = write_lines(tmp_path / "bad.jsonl", lines)
-    with pytest.raises(ConfigError, match=re.escape(f"{path}:16: malformed JSON")):
+    with pytest.raises(ConfigError, match=re.escape(f"{path}:16: the line is cut short")):
         build_datasets(DataConfig(path=path, num_proc=2), tok, 42, str(tmp_path / "c3"))
     assert multiprocessing.active_children() == []
 
@@ -179,7 +179,7 @@ def test_eval_fraction_holds_out_before_mixing(tok, tmp_path):
 BAD_INPUTS = [
     # (file name, lines, overrides, message parts)
     ("bad.jsonl", ['{"instruction": "a", "output": "b"}', '{"instruction": "a", "output": "b"'], {},
-     ["{path}:2: malformed JSON", "fix or remove that line"]),
+     ["{path}:2: the line is cut short", "complete the record or remove that line"]),
     ("bad.jsonl", ['{"instruction": "a", "output": "b"}'] * 2 + ['{"instruction": "a"}'], {},
      ["{path}:3: missing field 'output'; format 'alpaca' expects {{instruction, input?, output}}"]),
     ("bad.json", ['[{"instruction": "a", "output": "b"}, {"instruction": "a"}]'], {},

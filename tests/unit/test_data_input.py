@@ -90,13 +90,50 @@ def test_bytes_that_are_not_utf8_are_named_by_line_and_column(tmp_path, name, co
     assert "save the file as UTF-8" in str(e.value) and "position" not in str(e.value)
 
 
-@pytest.mark.parametrize("line,column", [('{"instruction": "x", "output": ', 32), ('{"a" 1}', 6), ('{"a": 1}}', 9)])
-def test_a_malformed_line_names_the_column_within_it(tmp_path, line, column):
-    """An unclosed object fails past its last character: column 32 of its line, not column 1 after the newline."""
+@pytest.mark.parametrize("line,what", [
+    ('{"a" 1}', "Expecting ':' delimiter at column 6"),
+    ('{"a": 1}}', "Extra data at column 9"),
+    ('{"a": "x\ty"}', "Invalid control character at column 9"),  # json's "... character at" says "at" once
+    ('{"a": "\\u00zz"}', "Invalid \\uXXXX escape at column 9"),
+])
+def test_a_malformed_line_names_the_column_within_it(tmp_path, line, what):
     path = tmp_path / "data.jsonl"
     path.write_bytes(JSONL + line.encode() + b"\r\n")
-    with pytest.raises(DataError, match=rf"data.jsonl:3: malformed JSON \(.* at column {column}\); fix or remove"):
+    with pytest.raises(DataError) as e:
         records(str(path))
+    assert str(e.value) == f"{path}:3: malformed JSON ({what}); fix or remove that line"
+
+
+# A record with every kind of JSON value in it, for cutting short anywhere.
+LONG = json.dumps({"instruction": "Summarise: " + "word " * 20, "input": "", "output": "caf\u00e9 " * 8,
+                   "score": -1.5e-3, "ok": True, "note": None, "tags": ["a", "b"]}, ensure_ascii=True)
+
+
+@pytest.mark.parametrize("end", [b"", b"\n", b"\r\n", b"  \n"])
+def test_a_line_cut_short_anywhere_says_so(tmp_path, end):
+    """The last line of a file truncated mid-record, at every character of it, with or without a line end after the
+    cut: always "cut short" at its file, line and last character, never json's "Invalid control character at at"."""
+    path = tmp_path / "data.jsonl"
+    for cut in range(1, len(LONG)):
+        path.write_bytes(JSONL + LONG[:cut].encode() + end)
+        with pytest.raises(DataError) as e:
+            records(str(path))
+        assert str(e.value) == (f"{path}:3: the line is cut short: its JSON record stops at column "
+                                f"{len(LONG[:cut].rstrip())} before it is "
+                                f"complete (a file truncated mid-record?); complete the record or remove that line"), cut
+    path.write_bytes(JSONL + LONG.encode() + end)
+    assert records(str(path))[2] == json.loads(LONG)
+
+
+def test_a_json_file_cut_short_names_its_last_line(tmp_path):
+    path = tmp_path / "data.json"
+    text = json.dumps(RECORDS, indent=1, ensure_ascii=False)
+    path.write_text(text[:text.index("Äpple") + 2])
+    with pytest.raises(DataError) as e:
+        records(str(path))
+    line = text[:text.index("Äpple")].count("\n") + 1
+    assert str(e.value) == (f"{path}:{line}: the file is cut short: its JSON stops on this line before it is complete "
+                            f"(a file truncated mid-record?); restore the rest of the file or write it again")
 
 
 def test_a_utf16_file_is_named_as_such(tmp_path):
@@ -182,7 +219,7 @@ def test_a_data_error_removes_the_cache_this_run_created(tmp_path):
     os.makedirs(tmp_path / "run")
     # the good file is tokenized into the cache before the bad one fails
     run = _run(tmp_path, f"data.path={good}", f"data.mix=[{bad}]")
-    with pytest.raises(DataError, match=rf"^{re.escape(str(bad))}:2: malformed JSON .*fix or remove that line"):
+    with pytest.raises(DataError, match=rf"^{re.escape(str(bad))}:2: the line is cut short: .*remove that line"):
         _load_data(run, None)
     assert os.listdir(tmp_path / "run") == []
 
