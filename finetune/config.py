@@ -9,7 +9,6 @@ file, or a command-line override. The DeepSpeed JSON is resolved against the rec
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -313,8 +312,8 @@ def _build(cls: type, raw: dict, source: _Source, prefix: str = ""):
     for key, value in raw.items():
         dotted = f"{prefix}{key}"
         if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""
+            close = shipped.closest(str(key), names)
+            hint = f" Did you mean '{prefix}{close}'?" if close else ""
             raise ConfigError(f"{source.of(dotted)}: unknown key {dotted!r}.{hint} "
                               f"Valid keys: {', '.join(prefix + n for n in names)}")
         hint_type = hints[key]

@@ -3,15 +3,20 @@
     shipped.recipe_path("tiny")         # .../recipes/tiny.yaml
     shipped.ds_config_path("zero3")     # .../ds_configs/zero3.json (so is "zero3.json")
     shipped.find("recipes/tiny_model")  # itself from the checkout; the shipped copy from any other folder
+    shipped.closest("zer3", ["zero2", "zero3"])  # 'zero3': zerotune's one "did you mean" (recipe keys use it too)
 
-In a checkout, ds_configs/ and recipes/ are the repository's folders beside the package; a non-editable install
-carries them inside the package as finetune/_shipped/ (setup.py's build_py copies them there). This module imports
-nothing from the package: config.py, ds_config.py, the planner and the launcher all read it.
+A name or path that is not found raises NotShipped listing the shipped names, and the nearest name or file when one is
+near (`zero3.jsn`, `ds_configs/zer3.json`). In a checkout, ds_configs/ and recipes/ are the repository's folders
+beside the package; a non-editable install carries them inside the package as finetune/_shipped/ (setup.py's build_py
+copies them there). This module imports nothing from the package: config.py, ds_config.py, the planner and the
+launcher all read it.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
+from collections.abc import Iterable
 
 PACKAGE = os.path.dirname(os.path.abspath(__file__))
 """The `finetune` package folder (finetune/main.py is what `deepspeed` launches)."""
@@ -79,6 +84,13 @@ def ds_config_path(name_or_path: str) -> str:
                     "--deepspeed ds_configs/zero3.json (a path to a JSON file)", ds_config_names())
 
 
+def closest(word: str, names: Iterable[str]) -> str | None:
+    """The name of `names` nearest to `word` by difflib's similarity (a typo or a dropped letter is near, an unrelated
+    name is not), or None when none is near enough to suggest."""
+    close = difflib.get_close_matches(word, list(names), n=1)
+    return close[0] if close else None
+
+
 def _resolve(value: str, folder: str, suffix: str, what: str, how: str, names: list[str]) -> str:
     if os.path.isfile(value):
         return value
@@ -89,8 +101,37 @@ def _resolve(value: str, folder: str, suffix: str, what: str, how: str, names: l
         name = value[: -len(suffix)] if value.endswith(suffix) else value
         if name in names:
             return os.path.join(ROOT, folder, name + suffix)
-    raise NotShipped(f"{what} {value!r} not found: pass {how}, or a shipped name: {', '.join(names)} "
+    near = _near_miss(value, suffix, names)
+    hint = f" (did you mean {near!r}?)" if near else ""
+    raise NotShipped(f"{what} {value!r} not found{hint}: pass {how}, or a shipped name: {', '.join(names)} "
                      f"(`zerotune recipes` lists them)")
+
+
+def _near_miss(value: str, suffix: str, names: list[str]) -> str | None:
+    """What `value` most likely meant, spelled as the user would pass it: a bare word is compared with the shipped
+    names (`zer3` -> 'zero3'), or, written with an extension, with the shipped files and the `suffix` files of this
+    folder (`zero3.jsn` -> 'zero3.json'); a path with a folder, with the `suffix` files of that folder, a shipped one
+    (ds_configs/, recipes/) found from any folder (`ds_configs/zer3.json` -> 'ds_configs/zero3.json')."""
+    head, tail = os.path.split(value)
+    if not tail:
+        return None
+    if not head:
+        if "." not in tail:
+            return closest(tail, names)
+        return closest(tail, {*(n + suffix for n in names), *_files(".", suffix)})
+    files = _files(find(head), suffix)
+    match = closest(tail, files if "." in tail else [f[: -len(suffix)] for f in files])
+    if match is None:
+        return None
+    return os.path.join(head, match if match.endswith(suffix) else match + suffix)
+
+
+def _files(folder: str, suffix: str) -> list[str]:
+    """The names of the `suffix` files in `folder` ([] when it is not a folder)."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(name for name in os.listdir(folder) if name.endswith(suffix) and
+                  os.path.isfile(os.path.join(folder, name)))
 
 
 def shipped_name(path: str) -> str | None:

@@ -54,6 +54,56 @@ def test_unknown_names_list_the_shipped_ones(tmp_path, monkeypatch):
         ds_json_path("sub/zero3.json")  # a path is not looked up as a name
 
 
+@pytest.mark.parametrize("value,meant", [
+    ("zero3.jsn", "zero3.json"), ("zer3", "zero3"), ("zero2_ofload", "zero2_offload"),
+    ("ds_configs/zer3.json", "ds_configs/zero3.json"), ("ds_configs/zero3.jsn", "ds_configs/zero3.json"),
+    ("ds_configs/zero3_offload_optimiser", "ds_configs/zero3_offload_optimizer.json"),
+])
+def test_a_near_miss_deepspeed_name_gets_a_did_you_mean(tmp_path, monkeypatch, value, meant):
+    """From any folder (ds_configs/ is found as the shipped one), and the suggestion passed back is found."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        ds_json_path(value)
+    assert str(e.value).startswith(f"DeepSpeed config {value!r} not found (did you mean {meant!r}?): pass --deepspeed ")
+    assert ds_json_path(meant) in {_shipped("ds_configs", os.path.basename(meant)),
+                                   _shipped("ds_configs", os.path.basename(meant) + ".json")}
+
+
+def test_a_near_miss_of_ones_own_file_or_a_recipe_gets_a_did_you_mean(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "my_zero3.json").write_text("{}")
+    (tmp_path / "mine.json").write_text("{}")
+    for value, meant in (("configs/my_zer3.json", "configs/my_zero3.json"), ("mine.jsn", "mine.json")):
+        with pytest.raises(ConfigError, match=f"^DeepSpeed config {value!r} not found \\(did you mean {meant!r}\\?\\)"):
+            ds_json_path(value)
+        assert ds_json_path(meant) == meant
+    with pytest.raises(ConfigError, match=r"^recipe 'mistral7b_ful' not found \(did you mean 'mistral7b_full'\?\): "):
+        load_recipe("mistral7b_ful")
+    with pytest.raises(ConfigError, match=r"^recipe 'recipes/tiny.yml' not found \(did you mean 'recipes/tiny.yaml'\?\)"):
+        load_recipe("recipes/tiny.yml")
+
+
+@pytest.mark.parametrize("value", ["fsdp", "nothing_alike.json", "ds_configs/qqq.json", "/no/such/zer3.json"])
+def test_a_name_near_nothing_gets_no_guess(tmp_path, monkeypatch, value):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        ds_json_path(value)
+    assert str(e.value).startswith(f"DeepSpeed config {value!r} not found: pass --deepspeed ")
+    assert "did you mean" not in str(e.value)
+
+
+def test_recipe_keys_and_file_names_share_one_did_you_mean(monkeypatch):
+    """config.py's unknown-key hint goes through shipped.closest, the helper the file names use."""
+    seen = []
+    monkeypatch.setattr(shipped, "closest", lambda word, names: seen.append(word) or "lr")
+    with pytest.raises(ConfigError, match=r"unknown key 'optim.lrr'. Did you mean 'optim.lr'\?"):
+        load_recipe("tiny", ["optim.lrr=1"])
+    with pytest.raises(ConfigError, match=r"not found \(did you mean 'lr'\?\)"):
+        ds_json_path("zer3")
+    assert seen == ["lrr", "zer3"]
+
+
 def test_a_shipped_recipes_relative_paths_work_from_any_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     r = load_recipe("tiny")
