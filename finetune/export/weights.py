@@ -2,6 +2,7 @@
 
     export_module(engine.module, "runs/x/export", tokenizer, lora=True)          # inside training, every rank calls it
     zerotune export runs/x --out /tmp/merged --merge                           # offline, from a finished run
+    zerotune export runs/x --out /tmp/merged --merge --overwrite               # replace what /tmp/merged holds
 
 `zerotune export RUN` takes the run's newest complete checkpoint, else its final export (RUN/export, written at the end
 of training while train.export is on: the HF model of a full run, the adapter of a LoRA run), so a run trained with
@@ -9,7 +10,10 @@ train.save_every=0 exports too. A checkpoint's files are checked against its man
 damaged one is refused, naming its bad files. Parameters are gathered one decoder layer at a time (ZeRO-3
 `GatheredParameters`), copied to CPU by rank 0 and written in shards, so no rank ever holds the whole model at once.
 The folder is written under `<out>.tmp` and renamed into place when complete; its tokenizer loads with AutoTokenizer
-and carries the chat template the run trained on (finetune/export/tokenizer.py).
+and carries the chat template the run trained on (finetune/export/tokenizer.py). `zerotune export` refuses an --out
+folder that holds anything unless --overwrite; then what was there stays until the new export is complete, and a
+failed export leaves it as it was. What DeepSpeed's and transformers' loaders print (DeepSpeed's checkpoint lines, the
+progress bars) appears only with --verbose.
 """
 
 from __future__ import annotations
@@ -100,6 +104,20 @@ def export_module(module, out: str, tokenizer, lora: bool, merge: bool = False, 
     if dist.is_main():
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
+    try:
+        _write_module(module, tmp, tokenizer, lora, merge, dtype)
+    except BaseException:
+        if dist.is_main():  # a failed export leaves no half-written folder, and `out` as it was
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if dist.is_main():
+        _put_in_place(tmp, out)
+    dist.barrier()
+    return out
+
+
+def _write_module(module, tmp: str, tokenizer, lora: bool, merge: bool, dtype: torch.dtype | None) -> None:
+    """The export's files in `tmp` (rank 0 writes; every rank takes part in the ZeRO-3 gathers)."""
     adapter_only = lora and not merge
     writer = _ShardWriter(tmp, "adapter_model" if adapter_only else "model")
     for group in _groups(module):
@@ -129,10 +147,25 @@ def export_module(module, out: str, tokenizer, lora: bool, merge: bool = False, 
             config.use_cache = True
             config.save_pretrained(tmp)
         write_tokenizer(tokenizer, tmp)
-        shutil.rmtree(out, ignore_errors=True)
+
+
+def _put_in_place(tmp: str, out: str) -> None:
+    """Rename the complete `tmp` to `out`. An `out` already there (--overwrite, or a run's own export/ written again) is
+    moved aside first and removed only once the new folder is in place: an error in between leaves it where it was."""
+    if not os.path.lexists(out):
         os.rename(tmp, out)
-    dist.barrier()
-    return out
+        return
+    old = f"{out}.old-{os.getpid()}"
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    if os.path.isdir(old) and not os.path.islink(old):
+        shutil.rmtree(old)
+    else:
+        os.remove(old)
 
 
 def _merge_lora(module, tensors: dict[str, torch.Tensor]) -> None:
@@ -170,13 +203,14 @@ def export_checkpoint(checkpoint_path: str, out: str, merge: bool) -> str:
     finally:
         os.remove(tmp_recipe)
     plain = {"bf16": {"enabled": False}, "zero_optimization": {"stage": 0}}
-    model, _ = build_model(r.model, r.lora, plain)
-    if zero_stage(ds) == 0:
-        state = torch.load(os.path.join(checkpoint_path, ENGINE_TAG, "mp_rank_00_model_states.pt"),
-                           map_location="cpu", weights_only=False)["module"]
-    else:
-        state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_path, tag=ENGINE_TAG)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    with console.quiet_stdout(stderr=True):  # the loaders' lines and progress bars: --verbose shows them
+        model, _ = build_model(r.model, r.lora, plain)
+        if zero_stage(ds) == 0:
+            state = torch.load(os.path.join(checkpoint_path, ENGINE_TAG, "mp_rank_00_model_states.pt"),
+                               map_location="cpu", weights_only=False)["module"]
+        else:
+            state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_path, tag=ENGINE_TAG)
+        missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if r.lora.enabled is False or "lora_" in m]:
         raise RuntimeError(f"{checkpoint_path}: checkpoint does not match the recipe's model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     tokenizer = load_tokenizer(r.model.tokenizer or r.model.path)
@@ -210,9 +244,12 @@ def export_final(run_dir: str, out: str, merge: bool) -> str:
     if not merge:
         tmp = f"{out}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(src, tmp)
-        shutil.rmtree(out, ignore_errors=True)
-        os.rename(tmp, out)
+        try:
+            shutil.copytree(src, tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _put_in_place(tmp, out)
         return out
     r, ds = _run_recipe(run_dir)
     if r.model.random_init or not has_weights(r.model.path):
@@ -223,8 +260,9 @@ def export_final(run_dir: str, out: str, merge: bool) -> str:
     from peft import PeftModel
 
     plain = {"bf16": {"enabled": False}, "zero_optimization": {"stage": 0}}
-    base, _ = build_model(r.model, dataclasses.replace(r.lora, enabled=False), plain)
-    model = PeftModel.from_pretrained(base, src)
+    with console.quiet_stdout(stderr=True):  # the loaders' progress bars: --verbose shows them
+        base, _ = build_model(r.model, dataclasses.replace(r.lora, enabled=False), plain)
+        model = PeftModel.from_pretrained(base, src)
     tokenizer = load_tokenizer(r.model.tokenizer or r.model.path)
     dtype = torch.bfloat16 if bf16_enabled(ds) else torch.float32
     return export_module(model, out, tokenizer, lora=True, merge=True, dtype=dtype)
@@ -277,6 +315,26 @@ def _source(run_dir: str, step: int | None) -> tuple[str, bool]:
                       f"checkpoints every train.save_every steps; give the folder of a finished run")
 
 
+def _check_out(out: str, sources: list[str], overwrite: bool) -> None:
+    """Refuse an --out that would lose something: a folder that holds files (unless --overwrite), a file, or the
+    folder of what is exported or one above it (even with --overwrite)."""
+    real = os.path.realpath(out)
+    for source in sources:
+        if os.path.realpath(source) == real or os.path.realpath(source).startswith(real + os.sep):
+            raise ConfigError(f"--out {out!r} holds {source!r}, which this export reads; writing there would replace "
+                              f"it: choose another folder")
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise ConfigError(f"--out {out!r} is a file, not a folder: choose a folder to write (a new one, or an empty "
+                          f"one)")
+    if not os.path.isdir(out) or overwrite:
+        return
+    held = sorted(os.listdir(out))
+    if held:
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise ConfigError(f"--out {out!r} is not empty (it holds {shown}): choose another folder, or pass --overwrite "
+                          f"to replace it (its files stay until the new export is complete)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="zerotune export", description=__doc__.splitlines()[0])
     p.add_argument("run_dir", help="a run folder (its newest complete checkpoint, else its final export/) or a "
@@ -284,9 +342,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=int, default=None, help="export the checkpoint of this step")
     p.add_argument("--out", required=True, help="folder to write")
     p.add_argument("--merge", action="store_true", help="LoRA runs: write the base model with the adapters merged in")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace what the --out folder holds (kept until the new export is complete)")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print what DeepSpeed's and transformers' loaders print (the same as ZEROTUNE_LOG=info)")
     args = p.parse_args(argv)
+    console.setup(args.verbose)
     try:
         path, is_checkpoint = _source(args.run_dir, args.step)
+        _check_out(args.out, [args.run_dir, path if is_checkpoint else os.path.join(path, "export")], args.overwrite)
         if is_checkpoint:
             done, origin = export_checkpoint(path, args.out, args.merge), path
         else:

@@ -102,18 +102,20 @@ def setup(verbose: bool = False) -> int:
 
 
 @contextlib.contextmanager
-def quiet_stdout() -> Iterator[None]:
-    """Hold back what a library prints (DeepSpeed's `... built successfully` of its CPU shm op, once per rank) unless
-    the run is verbose; an exception inside still propagates, and what was held back is printed with it."""
+def quiet_stdout(stderr: bool = False) -> Iterator[None]:
+    """Hold back what a library prints (DeepSpeed's `... built successfully` of its CPU shm op, once per rank; with
+    `stderr`, also what it writes there: its checkpoint loader's progress bars) unless the run is verbose; an
+    exception inside still propagates, and what was held back is printed with it."""
     if is_verbose():
         yield
         return
-    held = io.StringIO()
+    held, held_err = io.StringIO(), io.StringIO()
     try:
-        with contextlib.redirect_stdout(held):
+        with contextlib.redirect_stdout(held), contextlib.redirect_stderr(held_err if stderr else sys.stderr):
             yield
     except BaseException:
         print(held.getvalue(), end="", flush=True)
+        print(held_err.getvalue(), end="", file=sys.stderr, flush=True)
         raise
 
 

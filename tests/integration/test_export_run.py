@@ -1,12 +1,16 @@
 """`zerotune export` on finished runs that kept no checkpoint (train.save_every=0): their final export/ is what there
 is. A LoRA run's adapter merged into its base (`--merge`) gives the logits of base + adapter through peft; a full run
 exports as it is and refuses `--merge`; a folder with neither says what it lacks. The loading snippet of the docs runs
-on the merged export. The template half: tests/unit/test_export_template.py."""
+on the merged export. A checkpoint's export, as its own process, prints zerotune's line only (DeepSpeed's loader
+lines and the progress bars with --verbose) and refuses an --out folder that holds files unless --overwrite. The
+template half: tests/unit/test_export_template.py; --out's other refusals: tests/unit/test_export_out.py."""
 
 import contextlib
 import io
 import json
 import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -17,7 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from finetune import cli
 from finetune.data.template import Message, encode_prompt
 from finetune.data.tokenizer import load_tokenizer
-from tests.helpers import SMALL_VOCAB, TINY_CONFIG, TINY_RECIPE, ds_variant, run_ranks, save_tiny_model
+from tests.helpers import (ROOT, SMALL_VOCAB, TINY_CONFIG, TINY_RECIPE, ds_variant, loopback_env, run_ranks,
+                           save_tiny_model)
 
 STEPS = 4
 
@@ -144,3 +149,52 @@ def test_merge_onto_a_random_init_base_is_refused(capsys, tmp_path):
     (run / "ds_config.json").write_text("{}")
     code, _, err = export(capsys, str(run), "--out", str(tmp_path / "out"), "--merge")
     assert code == 2 and "has no weights (it was a random init)" in err and "train.save_every > 0" in err
+
+
+@pytest.fixture(scope="module")
+def checkpointed(runs):
+    """A ZeRO-3 full run that kept its checkpoint of step 2 (and wrote no export)."""
+    tmp = runs["tmp"]
+    ds = ds_variant("zero3", str(tmp / "zero3_fp32.json"), bf16=False)
+    run_ranks(1, "finetune/main.py", ["--deepspeed", ds, "--config", TINY_RECIPE, f"model.path={runs['base']}",
+                                      f"model.tokenizer={SMALL_VOCAB}", "model.activation_checkpointing=none",
+                                      "data.max_seq_len=128", "train.max_steps=2", "train.save_every=2",
+                                      "train.sample_prompt=null", "train.log_every=100", "train.export=false",
+                                      "lora.enabled=false", f"train.output_dir={tmp / 'checkpointed'}"], 600)
+    return str(tmp / "checkpointed")
+
+
+def export_process(*args: str) -> subprocess.CompletedProcess:
+    """`zerotune export ARGS` as a user runs it: its own process, every line it prints on either stream."""
+    return subprocess.run([sys.executable, "-m", "finetune.cli", "export", *args], cwd=ROOT, env=loopback_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_checkpoints_export_prints_only_zerotunes_line(checkpointed, tmp_path):
+    step = os.path.join(checkpointed, "checkpoints", "step_00000002")
+    quiet = export_process(checkpointed, "--out", str(tmp_path / "quiet"))
+    assert quiet.returncode == 0, quiet.stdout + quiet.stderr
+    assert (quiet.stdout, quiet.stderr) == (f"exported {tmp_path / 'quiet'} from {step}\n", "")
+    # what it held back: DeepSpeed's checkpoint lines (standard output) and the loaders' progress bars
+    loud = export_process(checkpointed, "--out", str(tmp_path / "loud"), "--verbose")
+    assert loud.returncode == 0, loud.stdout + loud.stderr
+    assert "Processing zero checkpoint" in loud.stdout and "Gathering sharded weights" in loud.stderr
+    assert loud.stdout.endswith(f"exported {tmp_path / 'loud'} from {step}\n")
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "quiet" / name).read_bytes() == (tmp_path / "loud" / name).read_bytes()
+
+
+def test_a_checkpoints_export_refuses_a_folder_with_files_unless_overwrite(checkpointed, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("my notes")
+    refused = export_process(checkpointed, "--out", str(out))
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr == (f"zerotune: error: --out {str(out)!r} is not empty (it holds notes.txt): choose another "
+                              f"folder, or pass --overwrite to replace it (its files stay until the new export is "
+                              f"complete)\n")
+    assert os.listdir(out) == ["notes.txt"] and (out / "notes.txt").read_text() == "my notes"
+    replaced = export_process(checkpointed, "--out", str(out), "--overwrite")
+    assert replaced.returncode == 0, replaced.stdout + replaced.stderr
+    assert "notes.txt" not in os.listdir(out) and (out / "model.safetensors").is_file()
+    assert sorted(os.listdir(tmp_path)) == ["mine"]
