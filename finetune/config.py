@@ -178,6 +178,18 @@ class TrainConfig:
     """Folder on a local NVMe disk for ds_configs/zero3_nvme.json (its nvme_path "auto")."""
     wandb_project: str = "zerotune"
     """W&B project of the run when `wandb` is in log_to (WANDB_MODE=offline writes it locally, no network)."""
+    objective: Literal["sft", "dpo", "ipo", "orpo", "simpo"] = "sft"
+    """`sft`: the next-token loss on the targets. `dpo`, `ipo`, `orpo`, `simpo`: a preference objective on pairs of
+    data.format preference (docs/preference.md)."""
+    beta: float = 0.1
+    """β of the preference objectives: DPO's and IPO's strength of the reference, SimPO's reward scale, ORPO's weight
+    of the odds-ratio term."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin γ."""
+    reference: Literal["auto", "adapters_off", "precomputed"] = "auto"
+    """The reference model of dpo and ipo: `adapters_off` = the LoRA model with its adapters disabled (no second
+    model); `precomputed` = the starting model's log-probabilities, computed once before the first step and kept in
+    the run folder; `auto` = adapters_off with LoRA, precomputed for full fine-tuning."""
     stall_timeout_s: float | Literal["auto"] | None = "auto"
     """End the run (exit 4) when no step finishes, and no eval batch, save, sample or export starts, for this many
     seconds: every running rank writes its Python stacks to <output_dir>/stall/rank_K.txt and the lowest running rank
@@ -219,6 +231,12 @@ class Recipe:
              "train.cpu_memory_gib must be > 0 (GiB per node), or null to read it from the node"),
             (self.train.stall_timeout_s in (None, "auto") or self.train.stall_timeout_s >= 0,
              "train.stall_timeout_s must be >= 0 (seconds; 0 = off), or auto"),
+            (self.train.beta > 0, "train.beta must be > 0"),
+            (self.train.objective == "sft" or self.train.sequence_parallel in (1, "auto"),
+             f"train.objective={self.train.objective} scores whole pairs on one rank: set train.sequence_parallel=1"),
+            (self.train.reference != "adapters_off" or self.lora.enabled,
+             "train.reference=adapters_off needs LoRA (lora.enabled=true): full fine-tuning has no adapters to "
+             "switch off; use train.reference=precomputed or auto"),
             (not (self.model.fused_loss and self.lora.enabled and "lm_head" in self.lora.target_modules),
              "model.fused_loss computes the loss inside the output layer, which LoRA on lm_head replaces: set "
              "model.fused_loss=false or drop lm_head from lora.target_modules"),

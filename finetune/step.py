@@ -24,6 +24,7 @@ from finetune.data.loader import StepLoader, eval_micro_batches
 from finetune.data.samples import TokenizedData
 from finetune.ds_config import zero_stage
 from finetune.model.loss import micro_batch_loss_sum, token_loss_sum
+from finetune.model.preference import STATS, PreferenceLoss, pairs_in
 from finetune.run.metrics import peak_memory_gib, peak_reserved_gib, peak_tflops, training_flops
 from finetune.model.optim import clip_grad_norm_exact
 from finetune.parallel.ulysses import sharded
@@ -58,6 +59,8 @@ class Loop:
     sp_rank: int = field(init=False)
     end_step: int = field(init=False)
     peak_tflops: float | None = field(init=False)
+    preference: PreferenceLoss | None = None
+    """A preference objective's loss (train.objective dpo, ipo, orpo, simpo); None: the token loss (sft)."""
 
     def __post_init__(self):
         t, stage = self.run.recipe.train, zero_stage(self.run.ds)
@@ -83,6 +86,8 @@ class StepResult:
     """A float or 0-d tensor; None where nothing computed it."""
     peak_gib: float
     reserved_gib: float
+    stats: dict[str, float] | None = None
+    """A preference step's STATS summed over its pairs (finetune/model/preference.py); None for sft."""
     stop: str = ""
     """The signal any rank received by the end of this step (`SIGTERM`): the run stops after it; '' to go on."""
 
@@ -98,17 +103,22 @@ def train_step(loop: Loop, step: int, upcoming: tuple | None) -> tuple[StepResul
     if upcoming is None:
         ACTIVITY.mark("data")
         micro_batches = loop.loader.step(step)
-        n_targets = float(dist.all_reduce_sum(_target_count(micro_batches)))
+        n_targets = float(dist.all_reduce_sum(_normalizer(micro_batches, loop.preference)))
     else:
         micro_batches, n_targets = upcoming
     grad_norm = None
     losses = []  # each micro-batch's summed token loss, left on the device: reading one would stall it
+    pair_stats = []  # a preference objective's STATS per micro-batch, likewise
     with step_profiler(step + 1 == r.train.profile_step, r.train.output_dir, step + 1, dist.is_main()), \
             sharded(engine.module, loop.sp_degree > 1):
         for i, mb in enumerate(micro_batches):
             with phase("forward"):
                 ACTIVITY.mark("forward", i)
-                token_sum = micro_batch_loss_sum(engine, mb, loop.device, r.model.fused_loss)
+                if loop.preference is None:
+                    token_sum = micro_batch_loss_sum(engine, mb, loop.device, r.model.fused_loss)
+                else:  # summed pair losses; the step's loss is their mean over the global batch's pairs
+                    token_sum, stats = loop.preference(engine, mb, loop.device)
+                    pair_stats.append(stats.detach())
                 losses.append(token_sum.detach())
                 watch = NonfiniteWatch(losses) if i == len(micro_batches) - 1 else None
             with phase("backward"):
@@ -136,29 +146,33 @@ def train_step(loop: Loop, step: int, upcoming: tuple | None) -> tuple[StepResul
     following = loop.loader.step(step + 1) if step + 1 < loop.end_step else None
     # A row's tokens and FLOPs once, by the first rank of its sequence-parallel group (every rank of it holds the row).
     lengths = [int(n) for mb in micro_batches for n in mb["sample_lengths"]] if loop.sp_rank == 0 else []
-    local = torch.tensor([sum(lengths), training_flops(engine.module.config, lengths), _target_count(following or []),
-                          *preempt.votes()], dtype=torch.float64, device=losses[0].device)
+    local = torch.tensor([sum(lengths), training_flops(engine.module.config, lengths),
+                          _normalizer(following or [], loop.preference), *preempt.votes()], dtype=torch.float64,
+                         device=losses[0].device)
     loss_sum = torch.stack(losses).double().sum().reshape(1)
+    stats_sum = torch.stack(pair_stats).double().sum(0) if pair_stats else loss_sum.new_zeros(0)
     ACTIVITY.mark("step sums")
-    loss_sum, tokens, flops, next_targets, *votes = dist.all_reduce_sum(torch.cat([loss_sum, local])).tolist()
+    loss_sum, *summed = dist.all_reduce_sum(torch.cat([loss_sum, stats_sum, local])).tolist()
+    stats = dict(zip(STATS, summed[:len(stats_sum)])) if pair_stats else None
+    tokens, flops, next_targets, *votes = summed[len(stats_sum):]
     seconds = time.perf_counter() - start
     if not loop.own_clipping:
         grad_norm = engine.get_global_grad_norm()
     peak_gib, reserved_gib = dist.all_reduce_max_each([peak_memory_gib(), peak_reserved_gib()])
-    result = StepResult(lr, loss_sum, n_targets, tokens, flops, seconds, grad_norm, peak_gib, reserved_gib,
+    result = StepResult(lr, loss_sum, n_targets, tokens, flops, seconds, grad_norm, peak_gib, reserved_gib, stats,
                         preempt.agreed(votes))
     return result, ((following, next_targets) if following is not None else None)
 
 
 def step_record(step: int, s: StepResult, world: int, peak_tflops: float | None) -> dict[str, Any]:
     """The metrics.jsonl record of finished step `step` (from 1)."""
-    return {
+    record = {
         "step": step,
         "loss": s.loss_sum / max(s.n_targets, 1.0),
         "lr": s.lr,
         "grad_norm": float(s.grad_norm) if s.grad_norm is not None else None,
         "tokens": int(s.tokens),
-        "target_tokens": int(s.n_targets),
+        ("pairs" if s.stats is not None else "target_tokens"): int(s.n_targets),
         "tokens_per_s": s.tokens / s.seconds,
         "tokens_per_s_per_gpu": s.tokens / s.seconds / world,
         "mfu": s.flops / s.seconds / world / (peak_tflops * 1e12) if peak_tflops else None,
@@ -166,10 +180,18 @@ def step_record(step: int, s: StepResult, world: int, peak_tflops: float | None)
         "peak_mem_gib": s.peak_gib,
         "peak_reserved_gib": s.reserved_gib,
     }
+    if s.stats is not None:
+        pairs = max(s.n_targets, 1.0)
+        record.update({name: value / pairs for name, value in s.stats.items()})
+        record["reward_margin"] = record["chosen_reward"] - record["rejected_reward"]
+    return record
 
 
-def _target_count(micro_batches: list) -> int:
-    """This rank's number of trained tokens (targets that are not -100) in these micro-batches."""
+def _normalizer(micro_batches: list, preference: PreferenceLoss | None) -> int:
+    """What this rank adds to the step's divisor: its trained tokens (targets that are not -100), or under a
+    preference objective its pairs."""
+    if preference is not None:
+        return sum(pairs_in(mb) for mb in micro_batches)
     return sum(int((mb["targets"] != -100).sum()) for mb in micro_batches)
 
 
@@ -222,9 +244,10 @@ def _stop_on_nonfinite(engine, run: Run, step: int, micro_batches: list, losses:
     )
 
 
-def evaluate(engine, data, recipe: Recipe, world: int, rank: int, pad_id: int, device) -> float:
+def evaluate(engine, data, recipe: Recipe, world: int, rank: int, pad_id: int, device,
+             preference: PreferenceLoss | None = None) -> float:
     """Token-weighted mean loss over the whole eval set, summed over ranks (under sequence parallelism each rank
-    scores its slice of its group's rows)."""
+    scores its slice of its group's rows); under a preference objective the mean pair loss."""
     engine.eval()
     total = torch.zeros((), dtype=torch.float64)
     count = 0
@@ -235,6 +258,11 @@ def evaluate(engine, data, recipe: Recipe, world: int, rank: int, pad_id: int, d
                                                   recipe.data.max_seq_len, recipe.data.packing, pad_id,
                                                   (degree, sp_rank))):
             ACTIVITY.mark("eval", i)  # each micro-batch is progress: an eval may take many steps' time
+            if preference is not None:
+                s, _ = preference(engine, mb, device, split="eval")
+                total += s.double().cpu()
+                count += pairs_in(mb)
+                continue
             logits = engine(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device)).logits
             s, n = token_loss_sum(logits, mb["targets"].to(device))  # eval keeps the plain path: no backward
             total += s.double().cpu()

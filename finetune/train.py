@@ -24,7 +24,7 @@ from finetune.run import console, folder, folder_lock, preempt, watchdog
 from finetune.checkpoint import resume_check
 from finetune.config import ConfigError, recipe_to_dict
 from finetune.data import ReportedElsewhere, build_datasets
-from finetune.data.loader import StepLoader
+from finetune.data.loader import StepLoader, eval_micro_batches
 from finetune.data.samples import TokenizedData
 from finetune.data.tokenizer import load_tokenizer
 from finetune.ds_config import engine_config, nvme_swap_dirs, zero_stage
@@ -34,6 +34,7 @@ from finetune.memory.budget import enforce
 from finetune.run.metrics import MetricsLog, truncate_metrics
 from finetune.model.build import build_model, trainable_parameters
 from finetune.model.optim import build_optimizer
+from finetune.model.preference import build_preference_loss
 from finetune.parallel import groups as sp_groups, ulysses
 from finetune.prepare import Run, parse_args, prepare
 from finetune.run.activity import ACTIVITY
@@ -74,6 +75,7 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
     # 7. Train: the steps, with metrics, eval and checkpoints at their cadence; 8. End: the last sample, the export
     #    and on_end. The stall watchdog watches both: a rank that hangs ends the run, named (finetune/run/watchdog.py).
     loop = Loop(run, engine, optimizer, loader, eval_data, tokenizer)
+    loop.preference = build_preference_loss(run, engine, lambda: _scoring_batches(loop), start_step)
     with watchdog.watching(run.recipe.train.output_dir, run.recipe.train.stall_timeout_s):
         records, samples = _train_loop(loop, start_step)
         _finish(loop, samples, on_end)
@@ -135,6 +137,10 @@ def _load_data(run: Run, cache_before: set[str] | None) -> tuple[Any, StepLoader
     error = None
     try:
         train_data, eval_data, report = build_datasets(r.data, tokenizer, t.seed, cache_dir)
+        if getattr(train_data, "paired", False) != (t.objective != "sft"):
+            raise ConfigError(f"train.objective={t.objective} trains on preference pairs and only on them: data.format "
+                              f"(and every data.mix source) must be preference exactly when the objective is dpo, ipo, "
+                              f"orpo or simpo")
     except Exception as e:  # whatever it is, every rank joins the all-reduce below, or the others would wait in it
         error = e
     # Which rank reports (the lowest whose own data check failed) and whether any failed, in one collective.
@@ -158,6 +164,16 @@ def _load_data(run: Run, cache_before: set[str] | None) -> tuple[Any, StepLoader
     if saved is not None:  # the saved run's next row, whatever its rows per step were
         run.data_start = loader.start = loader.continuing_at(checkpoint.saved_step(run.resume_from), saved)
     return tokenizer, loader, eval_data
+
+
+def _scoring_batches(loop: Loop) -> dict[str, tuple[list, int]]:
+    """This rank's share of every train and eval sample, for scoring a precomputed reference (no sequence
+    parallelism under a preference objective: prepare refuses it)."""
+    r = loop.run.recipe
+    splits = {"train": loop.loader.data, "eval": loop.eval_data}
+    return {split: (eval_micro_batches(data, r.train.micro_batch_size, loop.world, loop.rank, r.data.max_seq_len,
+                                       r.data.packing, loop.tokenizer.pad_id), len(data))
+            for split, data in splits.items() if data is not None}
 
 
 def _remove_new_cache_entries(cache_dir: str, before: set[str] | None) -> None:
@@ -242,7 +258,7 @@ def _train_loop(loop: Loop, start_step: int) -> tuple[list[dict[str, Any]], list
             if loop.eval_data is not None and not stop and ((t.eval_every and (step + 1) % t.eval_every == 0) or last):
                 ACTIVITY.mark("eval")
                 eval_loss = evaluate(engine, loop.eval_data, run.recipe, loop.world, loop.rank, loop.tokenizer.pad_id,
-                                     loop.device)
+                                     loop.device, loop.preference)
                 records.append({"step": step + 1, "eval_loss": eval_loss})
                 log.write(records[-1])
                 dist.print0(f"eval at step {step + 1}: loss {eval_loss:.4f}")

@@ -33,6 +33,8 @@ SAMPLES = "samples.jsonl"
 """The answers to train.sample_prompt at its cadence and at the end."""
 SPEEDUPS = "speedups.json"
 """Every speed-up switch, on or off, with the precision and kernels that ran."""
+REFERENCE = "reference_logps.pt"
+"""A preference run's precomputed reference: the starting model's log-probability of every train and eval sample."""
 LOCK = ".zerotune.lock"
 """Held by the run that writes into the folder (finetune/run/folder_lock.py)."""
 EXPORT = "export"
@@ -113,3 +115,19 @@ def read_json_file(file: str) -> Any:
 
 def has(run_dir: str, name: str) -> bool:
     return os.path.exists(path(run_dir, name))
+
+
+def write_tensors(run_dir: str, name: str, tensors: dict[str, Any]) -> str:
+    """torch.save of a dict of tensors to run_dir/name, atomically."""
+    import torch  # lazy: the launcher and `compare` read this module without torch
+
+    target = path(run_dir, name)
+    with atomic_open(target, "wb") as f:
+        torch.save(tensors, f)
+    return target
+
+
+def read_tensors(run_dir: str, name: str) -> dict[str, Any]:
+    import torch  # lazy, as above
+
+    return torch.load(path(run_dir, name), map_location="cpu", weights_only=True)
