@@ -62,7 +62,8 @@ setup(
     ],
     extras_require={
         "dev": ["pytest>=8", "pytest-xdist>=3.5", "ruff>=0.6", "matplotlib>=3.8", "tensorboard>=2.15", "wandb>=0.19",
-                "triton>=3.0"],  # its CPU interpreter runs the LoRA dropout kernels in tests
+                "triton>=3.0",  # its CPU interpreter runs the LoRA dropout kernels in tests
+                "trl>=1.15"],  # the preference losses are checked against TRL's trainers
         # train.log_to back-ends and `zerotune plot`: none of them is needed to train.
         "tensorboard": ["tensorboard>=2.15"],
         "wandb": ["wandb>=0.19"],

@@ -83,8 +83,9 @@ def pair_losses(objective: str, chosen: torch.Tensor, rejected: torch.Tensor, ch
         ref_mean_r = ref_rejected / rejected_count.clamp(min=1)
         h = (mean_c - ref_mean_c) - (mean_r - ref_mean_r)
         loss = (h - 1 / (2 * beta)) ** 2
-        reward_c, reward_r = beta * (mean_c - ref_mean_c), beta * (mean_r - ref_mean_r)
-        return PairTerms(loss, reward_c.detach(), reward_r.detach(), mean_c.detach(), mean_r.detach())
+        # reported as TRL's DPOTrainer reports every loss type: summed log-probs, rewards β·(π − ρ)
+        reward_c, reward_r = beta * (chosen - ref_chosen), beta * (rejected - ref_rejected)
+        return PairTerms(loss, reward_c.detach(), reward_r.detach(), chosen.detach(), rejected.detach())
     if objective == "simpo":
         loss = -F.logsigmoid(beta * (mean_c - mean_r) - gamma)
         return PairTerms(loss, (beta * mean_c).detach(), (beta * mean_r).detach(), mean_c.detach(), mean_r.detach())
