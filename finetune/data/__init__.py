@@ -47,11 +47,12 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int, cache_dir: str) -> tup
     """(train, eval or None, report): every source tokenized once into the cache, eval held out, then mixed.
 
     With data.eval_fraction, each source's held-out samples are chosen before weighting, so no repeated copy
-    of an eval sample is trained on.
+    of an eval sample is trained on. Preference data (format preference) is paired, and then every source must be;
+    the report counts pairs.
     """
     sources = resolve_sources(cfg)
     report = DataReport()
-    train_parts, eval_parts = [], []
+    train_parts, eval_parts, names = [], [], []
     for k, source in enumerate(sources):
         data = load_or_tokenize(source.path, cfg, tokenizer, cache_dir, report, source.format)
         if not cfg.eval_path and cfg.eval_fraction > 0:
@@ -59,18 +60,21 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int, cache_dir: str) -> tup
             eval_parts.append(held)
         used = weighted(data, source.weight, seed, k)
         if len(used) == 0:
-            report.notes.append(f"{source.entry} contributes no samples (weight {source.weight:g} x {len(data)})")
+            report.notes.append(f"{source.entry} contributes no {'pairs' if data.paired else 'samples'} "
+                                f"(weight {source.weight:g} x {data.units})")
         report.sources.append({"path": source.path, "format": source.format, "weight": source.weight,
-                               "samples": len(data), "used": len(used)})
+                               "samples": data.units, "used": used.units})
         train_parts.append(used)
-    train = concat(train_parts)
+        names.append(f"{source.path} (format {source.format})")
+    train = concat(train_parts, names)
     evaluation = None
     if cfg.eval_path:
         evaluation = load_or_tokenize(cfg.eval_path, cfg, tokenizer, cache_dir, report)
     elif eval_parts:
-        evaluation = concat(eval_parts)
-    report.samples = len(train)
+        evaluation = concat(eval_parts, names)
+    report.paired = train.paired
+    report.samples = train.units
     report.tokens = int(train.offsets[-1])
     report.target_tokens = int((np.asarray(train.labels) != -100).sum())
-    report.eval_samples = len(evaluation) if evaluation is not None else 0
+    report.eval_samples = evaluation.units if evaluation is not None else 0
     return train, evaluation, report

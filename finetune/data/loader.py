@@ -23,15 +23,23 @@ IGNORE = -100
 
 
 def epoch_rows(data: TokenizedData, capacity: int, packing: bool, shuffle: bool, seed: int, epoch: int) -> list[list[int]]:
-    """Rows (lists of sample indices) of one epoch, in training order."""
+    """Rows (lists of sample indices) of one epoch, in training order.
+
+    Of paired data the unit shuffled and packed is a pair (its length: chosen + rejected), so a row lists whole
+    pairs, each as 2k, 2k+1 side by side (chosen first); without packing a row is one pair."""
     rng = np.random.default_rng([seed, epoch])
-    order = rng.permutation(len(data)) if shuffle else np.arange(len(data))
+    lengths = data.lengths
+    if data.paired:
+        lengths = lengths[0::2] + lengths[1::2]
+    order = rng.permutation(len(lengths)) if shuffle else np.arange(len(lengths))
     if not packing:
-        return [[int(i)] for i in order]
-    lengths = data.lengths[order]
-    rows = [[int(order[j]) for j in row] for row in pack_ffd(lengths.tolist(), capacity)]
-    if shuffle:
-        rows = [rows[i] for i in rng.permutation(len(rows))]
+        rows = [[int(i)] for i in order]
+    else:
+        rows = [[int(order[j]) for j in row] for row in pack_ffd(lengths[order].tolist(), capacity)]
+        if shuffle:
+            rows = [rows[i] for i in rng.permutation(len(rows))]
+    if data.paired:
+        rows = [[i for pair in row for i in (2 * pair, 2 * pair + 1)] for row in rows]
     return rows
 
 
@@ -91,8 +99,8 @@ class StepLoader:
         tokens = [self._row_tokens(r) for r in rows]
         mine = [rows[i] for i in balance(tokens, self.world, self.mbs * self.gas)[self.rank]]
         mine.sort(key=self._row_tokens, reverse=True)
-        return [split_rows(collate(mine[k * self.mbs:(k + 1) * self.mbs], self.data, self.pad_id),
-                           *self.sequence_parallel, self.pad_id) for k in range(self.gas)]
+        return [_slice(collate(mine[k * self.mbs:(k + 1) * self.mbs], self.data, self.pad_id),
+                       self.sequence_parallel, self.pad_id) for k in range(self.gas)]
 
     def _row_tokens(self, row: list[int] | None) -> int:
         return 0 if row is None else int(sum(self.data.lengths[i] for i in row))
@@ -107,8 +115,17 @@ def eval_micro_batches(data: TokenizedData, rows_per_micro: int, world: int, ran
     per_rank = math.ceil(len(rows) / world / rows_per_micro) * rows_per_micro
     rows += [None] * (per_rank * world - len(rows))
     mine = rows[rank::world]
-    return [split_rows(collate(mine[k:k + rows_per_micro], data, pad_id), *sequence_parallel, pad_id)
+    return [_slice(collate(mine[k:k + rows_per_micro], data, pad_id), sequence_parallel, pad_id)
             for k in range(0, len(mine), rows_per_micro)]
+
+
+def _slice(batch: dict[str, torch.Tensor], sequence_parallel: tuple[int, int], pad_id: int) -> dict[str, torch.Tensor]:
+    """This rank's slice of the rows (split_rows). Under sequence parallelism sample_index is left out: it spans
+    whole rows, and what reads it (a preference objective) refuses sequence parallelism."""
+    degree, sp_rank = sequence_parallel
+    if degree > 1:
+        batch = {k: v for k, v in batch.items() if k != "sample_index"}
+    return split_rows(batch, degree, sp_rank, pad_id)
 
 
 def collate(rows: list[list[int] | None], data: TokenizedData, pad_id: int) -> dict[str, torch.Tensor]:
@@ -117,34 +134,40 @@ def collate(rows: list[list[int] | None], data: TokenizedData, pad_id: int) -> d
     Targets are shifted inside each sample, so no sample is ever trained to predict its neighbour's first token;
     position_ids restarting at 0 is what tells transformers to isolate each sample's attention (a block-diagonal
     causal mask with sdpa/eager, variable-length kernels with flash attention), so no attention_mask is passed.
+    sample_index gives each position's sample as its place in sample_ids (-1 on padding), for per-sequence sums.
     """
-    ids_rows, pos_rows, tgt_rows, lengths, sample_ids = [], [], [], [], []
+    ids_rows, pos_rows, tgt_rows, index_rows, lengths, sample_ids = [], [], [], [], [], []
     for row in rows:
-        ids, pos, tgt = [], [], []
+        ids, pos, tgt, index = [], [], [], []
         for i in row or []:
             s_ids, s_labels = data.sample(i)
             ids.append(s_ids)
             pos.append(np.arange(len(s_ids)))
             tgt.append(np.append(s_labels[1:], IGNORE))
+            index.append(np.full(len(s_ids), len(sample_ids)))
             lengths.append(len(s_ids))
             sample_ids.append(i)
         if not ids:  # an empty row: one pad token that trains nothing
-            ids, pos, tgt = [np.array([pad_id])], [np.array([0])], [np.array([IGNORE])]
+            ids, pos, tgt, index = [np.array([pad_id])], [np.array([0])], [np.array([IGNORE])], [np.array([-1])]
         ids_rows.append(np.concatenate(ids))
         pos_rows.append(np.concatenate(pos))
         tgt_rows.append(np.concatenate(tgt))
+        index_rows.append(np.concatenate(index))
     width = max(len(r) for r in ids_rows)
     batch = {
         "input_ids": torch.full((len(rows), width), pad_id, dtype=torch.long),
         "position_ids": torch.zeros((len(rows), width), dtype=torch.long),
         "targets": torch.full((len(rows), width), IGNORE, dtype=torch.long),
     }
-    for b, (ids, pos, tgt) in enumerate(zip(ids_rows, pos_rows, tgt_rows)):
+    sample_index = torch.full((len(rows), width), -1, dtype=torch.long)
+    for b, (ids, pos, tgt, index) in enumerate(zip(ids_rows, pos_rows, tgt_rows, index_rows)):
         n = len(ids)
         batch["input_ids"][b, :n] = torch.from_numpy(ids.astype(np.int64))
         batch["position_ids"][b, :n] = torch.from_numpy(pos.astype(np.int64))
         batch["position_ids"][b, n:] = torch.arange(width - n)  # padding is a sequence of its own
         batch["targets"][b, :n] = torch.from_numpy(tgt.astype(np.int64))
+        sample_index[b, :n] = torch.from_numpy(index.astype(np.int64))
     batch["sample_lengths"] = torch.tensor(lengths, dtype=torch.long)
     batch["sample_ids"] = torch.tensor(sample_ids, dtype=torch.long)  # indices into the tokenized data, for errors
+    batch["sample_index"] = sample_index
     return batch

@@ -1,4 +1,5 @@
-"""Dataset formats by name: a plain dict from name to a function `(record, Encoder) -> Sample`.
+"""Dataset formats by name: a plain dict from name to a function `(record, Encoder) -> Sample` (or `-> Pair` for
+preference data: a format returns one kind for every record).
 
     fmt = get_format("alpaca"); sample = fmt({"instruction": "Hi", "output": "Hello"}, Encoder(tok))
 """
@@ -9,7 +10,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from finetune.data.template import IGNORE, Message, Sample, encode_chat
+from finetune.data.template import IGNORE, Message, Pair, Sample, encode_chat, encode_prompt
 from finetune.data.tokenizer import Tokenizer
 
 
@@ -31,13 +32,34 @@ class Encoder:
         except ValueError as e:  # a bad role order is the record's fault, like a missing field
             raise RecordError(str(e)) from e
 
+    def pair(self, prompt: list[Message], chosen: list[Message], rejected: list[Message]) -> Pair:
+        """A preference pair: prompt + chosen and prompt + rejected, each encoded as `chat` encodes it for SFT, with
+        every prompt token's label IGNORE (train_on_inputs does not apply: only the responses are compared).
+
+        `prompt` ends with a user turn; each response is the turn(s) after it, starting with an assistant turn. The
+        template encodes each turn on its own, so a conversation's tokens begin with its prompt's tokens."""
+        try:
+            shared = len(encode_prompt(prompt, self.tok))
+        except ValueError as e:
+            raise RecordError(f"prompt: {e}") from e
+        return Pair(self._response(prompt, chosen, shared, "chosen"),
+                    self._response(prompt, rejected, shared, "rejected"))
+
+    def _response(self, prompt: list[Message], response: list[Message], shared: int, side: str) -> Sample:
+        try:
+            sample = encode_chat(prompt + response, self.tok, train_on_inputs=False)
+        except ValueError as e:
+            raise RecordError(f"{side}: {e}") from e
+        sample.labels[:shared] = [IGNORE] * shared
+        return sample
+
     def text(self, text: str) -> Sample:
         """BOS + text + EOS for plain-text pretraining; every token but BOS is trained."""
         ids = [self.tok.bos_id] + self.tok.encode(text) + [self.tok.eos_id]
         return Sample(input_ids=ids, labels=[IGNORE] + ids[1:])
 
 
-FormatFn = Callable[[dict, Encoder], Sample]
+FormatFn = Callable[[dict, Encoder], Sample | Pair]
 _FORMATS: dict[str, FormatFn] = {}
 _SCHEMAS: dict[str, str] = {}  # name -> "{instruction, input?, output}", quoted by RecordError messages
 

@@ -31,6 +31,18 @@ class Sample:
     labels: list[int]  # labels[i] = input_ids[i] if token i is trained, else IGNORE
 
 
+@dataclass
+class Pair:
+    """One preference pair: two complete sequences (BOS + prompt + response + EOS) with the same prompt tokens.
+
+    Labels are IGNORE on the prompt of both, whatever data.train_on_inputs says: a preference objective compares the
+    two responses, so only response tokens are targets (Encoder.pair builds them).
+    """
+
+    chosen: Sample
+    rejected: Sample
+
+
 def _split(messages: list[Message], for_training: bool) -> tuple[str, list[Message]]:
     """Check the role order and return (system prompt or "", the alternating user/assistant turns)."""
     if not messages:
