@@ -171,7 +171,8 @@ class TrainConfig:
     the ZeRO stage and offload) that the estimator fits into it, keeping the batch per step; on CUDA it also caps the
     allocator there (simulate a smaller card on a bigger one). null = no budget."""
     cpu_memory_gib: float | None = None
-    """CPU memory per node that offloaded states may use; null = the node's (MemTotal, capped by its cgroup limit)."""
+    """CPU memory per node that the run may use (offloaded states; the model as it loads; without a GPU, everything);
+    null = the node's (MemTotal, capped by its cgroup limit)."""
     profile_step: int = 0
     """Profile this step (1-based; 0 = never): output_dir/profile_stepN.txt/.json, the time per kind of kernel."""
     nvme_path: str | None = None

@@ -25,6 +25,7 @@ from finetune.data.tokenizer import load_tokenizer
 from finetune.ds_config import emulated_bf16_note, resolve_ds_config
 from finetune.run.trackers import check_backends
 from finetune.memory import budget
+from finetune.memory.host import check_host_fits
 from finetune.model.build import check_model_dir
 from finetune.perf import liger as kernels, lora_dropout
 
@@ -99,6 +100,9 @@ def prepare(config: str | None, deepspeed_json: str, overrides: list[str]) -> Ru
     ds = resolve_ds_config(deepspeed_json, recipe, dist.world_size(), model_config["hidden_size"],
                            recipe_path=recipe_path, vocab_size=model_config["vocab_size"])
     budget.check_offload_fits_host(recipe, model_config, ds, dist.world_size())
+    # Before any rank loads a model this host cannot hold, and before the run folder is made or locked: a failed start
+    # leaves the folder as it found it.
+    check_host_fits(recipe, model_config, ds, dist.world_size())
     if note := emulated_bf16_note(ds):
         dist.print0(note)
     out = recipe.train.output_dir
