@@ -87,7 +87,7 @@ def apply(model, recipe: Recipe, ds_config: dict[str, Any]) -> list[str]:
     if tiled_mlp.wanted(m.tiled_mlp, recipe.data.max_seq_len) and tiled_mlp.install_tiled_mlp(model, stage,
                                                                                             micro_batch_tokens):
         applied.append("tiled_mlp")
-    if m.fused_loss:
+    if m.fused_loss and recipe.train.objective == "sft":  # a preference objective needs each token's log-prob
         install_fused_loss(model)
         applied.append("fused_loss")
     if attention.resolve(m.attn_implementation, _device_type()) == "flex":

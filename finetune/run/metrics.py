@@ -123,8 +123,10 @@ class MetricsLog:
         eta = elapsed / max(done, 1) * (self.max_steps - step)
         norm = f"{record['grad_norm']:.3f}" if record.get("grad_norm") is not None else "n/a"
         mfu = f" | MFU {100 * record['mfu']:.1f}%" if record.get("mfu") is not None else ""
+        pairs = (f"reward acc {record['accuracy']:.2f} margin {record['reward_margin']:.3f} | "
+                 if "accuracy" in record else "")  # a preference objective's step
         print(
-            f"step {step}/{self.max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"step {step}/{self.max_steps} | loss {record['loss']:.4f} | {pairs}lr {record['lr']:.2e} | "
             f"grad_norm {norm} | {record['tokens_per_s']:,.0f} tok/s ({record['tokens_per_s_per_gpu']:,.0f}/{rank_unit()}){mfu} | "
             f"mem {record['peak_mem_gib']:.1f} GiB | ETA {_duration(eta)}",
             flush=True,  # stdout, with every other line of the run: `> train.log` keeps the steps
