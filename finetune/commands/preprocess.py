@@ -17,11 +17,13 @@ from finetune.run import console
 
 
 def pack_fill(data, capacity: int, packing: bool) -> tuple[int, float]:
-    """(rows, fraction of row capacity holding real tokens) for one epoch."""
+    """(rows, fraction of row capacity holding real tokens) for one epoch. Without packing a row holds one unit (a
+    sample, or of paired data a whole pair: chosen + rejected), so the width is the longest unit's."""
     from finetune.data.loader import epoch_rows  # lazy: the loader imports torch; `--help` and errors do without
 
     rows = epoch_rows(data, capacity, packing, shuffle=False, seed=0, epoch=0)
-    width = capacity if packing else max(int(n) for n in data.lengths)
+    units = data.lengths[0::2] + data.lengths[1::2] if data.paired else data.lengths
+    width = capacity if packing else int(units.max())
     return len(rows), float(data.offsets[-1]) / (len(rows) * width)
 
 
@@ -60,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     if data.packing:
         print(f"{rows:,} rows of {data.max_seq_len} tokens per epoch, pack fill {100 * fill:.1f}%")
     else:
-        print(f"{rows:,} rows per epoch (data.packing=false: one sample per row), "
-              f"pack fill {100 * fill:.1f}% of rows as long as the longest sample")
+        unit = "pair" if train.paired else "sample"
+        print(f"{rows:,} rows per epoch (data.packing=false: one {unit} per row), "
+              f"pack fill {100 * fill:.1f}% of rows as long as the longest {unit}")
     if report.built_cache:
         procs = f"{data.num_proc} processes" if data.num_proc > 1 else "1 process"
         rate = report.tokenized_tokens / max(report.tokenize_seconds, 1e-9)

@@ -265,3 +265,30 @@ def test_preprocess_reports_shows_and_dumps(tmp_path, capsys):
 
     assert preprocess(args) == 0  # the second run reads the cache
     assert "read from the cache" in capsys.readouterr().out
+
+
+def test_pack_fill_without_packing_is_against_the_longest_pair_of_paired_data():
+    """A row of paired data without packing holds a whole pair, so its width is the longest pair's, not the longest
+    sequence's (which put the fill over 100%)."""
+    from finetune.commands.preprocess import pack_fill
+    from finetune.data.samples import TokenizedData
+
+    seqs = [([1] * n, [-100] + [1] * (n - 1)) for n in (10, 30, 25, 25)]  # pairs of 40 and 50 tokens; 90 in all
+    pairs, singles = TokenizedData.from_samples(seqs, paired=True), TokenizedData.from_samples(seqs)
+    assert pack_fill(pairs, 64, packing=False) == (2, 90 / (2 * 50))  # was 90 / (2 * 30): 150%
+    assert pack_fill(singles, 64, packing=False) == (4, 90 / (4 * 30))
+    assert pack_fill(pairs, 64, packing=True) == (2, 90 / (2 * 64))  # 40 + 50 > 64: a pair per row, whole
+
+
+def test_preprocess_reports_pairs_per_row_without_packing(tmp_path, capsys):
+    args = ["--config", "tiny_dpo", "--cache-dir", str(tmp_path), "data.packing=false"]
+    assert preprocess(args) == 0
+    out = capsys.readouterr().out
+    recipe = load_recipe("tiny_dpo", ["data.packing=false"])
+    data, _, _ = build_datasets(recipe.data, load_tokenizer(recipe.model.tokenizer), recipe.train.seed,
+                                str(tmp_path))
+    pair_lengths = data.lengths[0::2] + data.lengths[1::2]
+    assert pair_lengths.max() > data.lengths.max()  # the longest pair is wider than the longest sequence
+    expected = 100 * data.lengths.sum() / (len(pair_lengths) * pair_lengths.max())
+    assert re.search(rf"^{len(pair_lengths)} rows per epoch \(data.packing=false: one pair per row\), pack fill "
+                     rf"{expected:.1f}% of rows as long as the longest pair$", out, re.M), out
