@@ -89,7 +89,8 @@ class DataConfig:
     path: str = "data/train.jsonl"
     """Local JSON/JSONL/Parquet/CSV/Arrow file or a `datasets.save_to_disk` folder."""
     format: str = "alpaca"
-    """A registered format: text, alpaca, instruction_output, interactions, sharegpt, messages, or a plugin's."""
+    """A registered format: text, alpaca, instruction_output, interactions, sharegpt, messages, preference (pairs for
+    train.objective dpo, ipo, orpo or simpo: docs/preference.md), or a plugin's."""
     plugins: list[str] = field(default_factory=list)
     """Modules to import that register extra formats (`my_pkg.formats`)."""
     eval_path: str | None = None
