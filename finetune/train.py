@@ -166,13 +166,13 @@ def _load_data(run: Run, cache_before: set[str] | None) -> tuple[Any, StepLoader
     return tokenizer, loader, eval_data
 
 
-def _scoring_batches(loop: Loop) -> dict[str, tuple[list, int]]:
+def _scoring_batches(loop: Loop) -> dict[str, tuple[list, TokenizedData]]:
     """This rank's share of every train and eval sample, for scoring a precomputed reference (no sequence
     parallelism under a preference objective: prepare refuses it)."""
     r = loop.run.recipe
     splits = {"train": loop.loader.data, "eval": loop.eval_data}
     return {split: (eval_micro_batches(data, r.train.micro_batch_size, loop.world, loop.rank, r.data.max_seq_len,
-                                       r.data.packing, loop.tokenizer.pad_id), len(data))
+                                       r.data.packing, loop.tokenizer.pad_id), data)
             for split, data in splits.items() if data is not None}
 
 

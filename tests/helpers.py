@@ -151,6 +151,20 @@ def _spawn_ranks(world: int, script: str, args: list[str], timeout: int, env: di
     return subprocess.CompletedProcess(cmd, 0, stdout, stderr)
 
 
+def run_two_ranks(args: list[str], log: str, timeout: float = 300) -> list[int]:
+    """2 ranks of finetune/main.py started as DeepSpeed's launcher would (start_ranks), each writing `log`K; waited
+    for, and killed if they outlive `timeout`; their exit codes."""
+    procs = start_ranks(2, "finetune/main.py", args, loopback_env(MASTER_PORT=str(free_port())),
+                        [(f"{log}{rank}", f"{log}{rank}") for rank in range(2)])
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def start_ranks(world: int, script: str, args: list[str], env: dict, outputs: list[tuple[str, str]],
                 fork: bool = True) -> list:
     """Start `world` ranks of `script` as the deepspeed launcher does (`--local_rank=K`, RANK, LOCAL_RANK, WORLD_SIZE,

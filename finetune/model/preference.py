@@ -22,8 +22,10 @@ divides by the global pair count (finetune/step.py), so accumulation and world s
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -185,11 +187,11 @@ def precompute_reference(engine, n_samples: int, micro_batches) -> torch.Tensor:
     return dist.all_reduce_sum(out)  # each sample was scored by one rank; the others hold 0 there
 
 
-def build_preference_loss(run, engine, micro_batches_of, start_step: int) -> PreferenceLoss | None:
+def build_preference_loss(run, engine, scoring_batches, start_step: int) -> PreferenceLoss | None:
     """The run's PreferenceLoss (None for sft), saying which reference it uses. A precomputed reference is scored
-    once, before the first step, and kept in the run folder: a resumed run reads it back, since its model is no
-    longer the starting one. `micro_batches_of()` gives {split: (this rank's scoring micro-batches, samples)}
-    for "train" and, when the run has eval data, "eval"."""
+    once, before the first step, and kept in the run folder with a fingerprint of the data it scored: a resumed run
+    reads it back (its model is no longer the starting one) and refuses it for other data. `scoring_batches()` gives
+    {split: (this rank's scoring micro-batches, the split's TokenizedData)} for "train" and, with eval data, "eval"."""
     from finetune.run import folder as run_folder  # lazy: the formulas above are tested without the run machinery
 
     r = run.recipe
@@ -198,20 +200,35 @@ def build_preference_loss(run, engine, micro_batches_of, start_step: int) -> Pre
     kind = reference_kind(r)
     precomputed = None
     if kind == "precomputed":
-        out = r.train.output_dir
-        if run_folder.has(out, run_folder.REFERENCE):
-            precomputed = run_folder.read_tensors(out, run_folder.REFERENCE)
-        elif start_step > 0:
-            raise ConfigError(f"{run_folder.path(out, run_folder.REFERENCE)} is missing: a resumed {r.train.objective} "
-                             f"run needs the starting model's log-probabilities it wrote before its first step. "
-                             f"Start the run again from step 0 (train.overwrite=true)")
-        else:
-            precomputed = {split: precompute_reference(engine, n_samples, batches)
-                           for split, (batches, n_samples) in micro_batches_of().items()}
+        out, splits = r.train.output_dir, scoring_batches()
+        fingerprints = {split: data_fingerprint(data) for split, (_, data) in splits.items()}
+        file = run_folder.path(out, run_folder.REFERENCE)
+        if start_step > 0:  # a resume: the starting model is gone, its scores are in the run folder
+            if not run_folder.has(out, run_folder.REFERENCE):
+                raise ConfigError(f"{file} is missing: a resumed {r.train.objective} run needs the starting model's "
+                                  f"log-probabilities it wrote before its first step. Start the run again from step 0 "
+                                  f"(train.overwrite=true)")
+            saved = run_folder.read_tensors(out, run_folder.REFERENCE)
+            if saved.get("fingerprints") != fingerprints:
+                raise ConfigError(f"{file} scored other data than this run's (data.* changed since the run started): "
+                                  f"resume with the data the run started with, or start again from step 0 "
+                                  f"(train.overwrite=true)")
+            precomputed = {split: saved[split] for split in splits}
+        else:  # a fresh start (train.overwrite may leave an older run's file: it is scored anew)
+            precomputed = {split: precompute_reference(engine, len(data), batches)
+                           for split, (batches, data) in splits.items()}
             if dist.is_main():
-                run_folder.write_tensors(out, run_folder.REFERENCE, precomputed)
+                run_folder.write_tensors(out, run_folder.REFERENCE, {**precomputed, "fingerprints": fingerprints})
     shown = {None: "none (the objective needs none)", "adapters_off": "the model with its LoRA adapters off",
              "precomputed": "the starting model's log-probabilities, computed once before the first step "
                             "(no second model)"}[kind]
     dist.print0(f"objective: {r.train.objective}, beta {r.train.beta:g}; reference: {shown}")
     return PreferenceLoss(r, precomputed)
+
+
+def data_fingerprint(data) -> str:
+    """SHA-256 of a split's tokens, labels and sample bounds: what a precomputed reference's indices refer to."""
+    h = hashlib.sha256()
+    for array in (data.input_ids, data.labels, data.offsets):
+        h.update(np.ascontiguousarray(array).tobytes())
+    return h.hexdigest()

@@ -30,7 +30,8 @@ import pytest
 
 from finetune.checkpoint import MARKER, complete_checkpoints
 from tests.fixtures.sshd_fixture import missing_binaries
-from tests.helpers import ROOT, SMALL_VOCAB, TINY_RECIPE, ds_variant, free_port, loopback_env, save_tiny_model, start_ranks
+from tests.helpers import (ROOT, SMALL_VOCAB, TINY_RECIPE, ds_variant, free_port, run_two_ranks,
+                           save_tiny_model)
 from tests.fixtures.launch_cluster import launch, rank_pid
 
 # pdsh puts `host: ` before each line of a rank.
@@ -93,20 +94,6 @@ class _Job:
         return {"code": code, "log": "".join(self.lines), "pdsh": self.pdsh}
 
 
-def _spawn(args: list[str], log) -> list[int]:
-    """2 ranks of finetune/main.py started as DeepSpeed's launcher would (tests/helpers.py start_ranks); their exit
-    codes."""
-    procs = start_ranks(2, "finetune/main.py", args, loopback_env(MASTER_PORT=str(free_port())),
-                        [(f"{log}{rank}", f"{log}{rank}") for rank in range(2)])
-    try:
-        return [p.wait(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("preempt")
@@ -151,7 +138,7 @@ def runs(request, tmp_path_factory):
     end = int(line[1])
     # Run 3: straight to the same step.
     straight_out = str(tmp / "straight")
-    codes = _spawn(common + [f"train.output_dir={straight_out}", f"train.stop_at={end}"], tmp / "straight.log")
+    codes = run_two_ranks(common + [f"train.output_dir={straight_out}", f"train.stop_at={end}"], str(tmp / "straight.log"))
     straight = {"codes": codes, "log": (tmp / "straight.log0").read_text(), "losses": _losses(straight_out),
                 "out": straight_out}
     return {"first": first, "stopped": stopped, "command": command, "second": second, "end": end, "out": out,

@@ -28,7 +28,8 @@ import pytest
 
 from finetune.checkpoint import MARKER, complete_checkpoints
 from tests.fixtures.sshd_fixture import IsolatedNetwork
-from tests.helpers import ROOT, SMALL_VOCAB, TINY_RECIPE, ds_variant, free_port, loopback_env, save_tiny_model, start_ranks
+from tests.helpers import (ROOT, SMALL_VOCAB, TINY_RECIPE, ds_variant, free_port, loopback_env, run_two_ranks,
+                           save_tiny_model)
 
 LINE = re.compile(r"^stopped at step (\d+) by (SIGTERM|train\.stop_at); resume with: (.+)$", re.M)
 MORE_STEPS = 2
@@ -53,19 +54,6 @@ def _job_processes(port: int) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return found
-
-
-def _run_ranks(args: list[str], log: str) -> list[int]:
-    """2 ranks of finetune/main.py as DeepSpeed's launcher starts them (tests/helpers.py start_ranks); exit codes."""
-    procs = start_ranks(2, "finetune/main.py", args, loopback_env(MASTER_PORT=str(free_port())),
-                        [(f"{log}{rank}", f"{log}{rank}") for rank in range(2)])
-    try:
-        return [p.wait(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
 
 
 @pytest.fixture(scope="module")
@@ -119,10 +107,10 @@ def runs(tmp_path_factory):
     end = stopped + MORE_STEPS
     # The resume line's arguments: after the script in DeepSpeed's command (one machine), after `--` in the launcher's.
     args = command[command.index("--") + 1:] if "--" in command else command[4:]
-    resumed = {"codes": _run_ranks(args + [f"train.stop_at={end}"], str(tmp / "resumed.log")),
+    resumed = {"codes": run_two_ranks(args + [f"train.stop_at={end}"], str(tmp / "resumed.log")),
                "losses": _losses(out), "log": (tmp / "resumed.log0").read_text()}
     straight_out = str(tmp / "straight")
-    straight = {"codes": _run_ranks(common + [f"train.output_dir={straight_out}", f"train.stop_at={end}"],
+    straight = {"codes": run_two_ranks(common + [f"train.output_dir={straight_out}", f"train.stop_at={end}"],
                                     str(tmp / "straight.log")),
                 "losses": _losses(straight_out), "log": (tmp / "straight.log0").read_text()}
     return {"first": first, "stopped": stopped, "command": command, "args": args, "end": end, "out": out,
