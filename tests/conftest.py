@@ -24,7 +24,8 @@ TIERS = ("unit", "integration", "gpu")
 # goes whole to the worker that is free, so starting with the longest lets the two workers end together instead of one
 # finishing a long file alone. The other files keep their order, after these. One process keeps the command line's order.
 LONGEST_FIRST = ["test_parity.py", "test_checkpoint.py", "test_offload.py", "test_docs_commands.py", "test_launcher.py",
-                 "test_stall.py", "test_tiny_recipe.py", "test_compare.py", "test_chat.py"]
+                 "test_stall.py", "test_tiny_recipe.py", "test_compare.py", "test_chat.py", "test_sigterm_group.py",
+                 "test_preference.py", "test_export_run.py"]
 
 
 def _tier(item) -> str | None:
