@@ -45,6 +45,9 @@ def loopback_env(**extra: str) -> dict[str, str]:
     both again at each rank's start."""
     cpu_only = os.path.join(ROOT, "tests", "fixtures", "cpu_only")
     env = dict(os.environ)
+    # A launched process prints at its default verbosity unless the test asks for another: a ZEROTUNE_LOG that the
+    # test process itself carries (set by a run in it) must not reach the processes it starts.
+    env.pop("ZEROTUNE_LOG", None)
     env.update(
         GLOO_SOCKET_IFNAME="lo",
         MASTER_ADDR="127.0.0.1",
