@@ -17,17 +17,17 @@ from typing import Any
 
 from finetune import checkpoint, dist, parallel
 from finetune.checkpoint import resume_check
-from finetune.run import folder_lock
 from finetune.config import ConfigError, Recipe, load_recipe, recipe_to_dict, sections
 from finetune.data.registry import get_format, load_plugins
 from finetune.data.sources import READABLE
 from finetune.data.tokenizer import load_tokenizer
 from finetune.ds_config import emulated_bf16_note, resolve_ds_config
-from finetune.run.trackers import check_backends
 from finetune.memory import budget
 from finetune.memory.host import check_host_fits
 from finetune.model.build import check_model_dir
 from finetune.perf import liger as kernels, lora_dropout
+from finetune.run import folder_lock
+from finetune.run.trackers import check_backends
 
 
 @dataclass

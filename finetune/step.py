@@ -18,19 +18,19 @@ from typing import Any
 import torch
 
 from finetune import checkpoint, dist, parallel
-from finetune.run import preempt
 from finetune.config import Recipe
 from finetune.data.loader import StepLoader, eval_micro_batches
 from finetune.data.samples import TokenizedData
 from finetune.ds_config import zero_stage
 from finetune.model.loss import micro_batch_loss_sum, token_loss_sum
-from finetune.model.preference import STATS, PreferenceLoss, pairs_in
-from finetune.run.metrics import peak_memory_gib, peak_reserved_gib, peak_tflops, training_flops
 from finetune.model.optim import clip_grad_norm_exact
+from finetune.model.preference import STATS, PreferenceLoss, pairs_in
 from finetune.parallel.ulysses import sharded
 from finetune.perf.profiling import phase, step_profiler
 from finetune.prepare import Run
+from finetune.run import preempt
 from finetune.run.activity import ACTIVITY
+from finetune.run.metrics import peak_memory_gib, peak_reserved_gib, peak_tflops, training_flops
 
 
 class TrainingError(RuntimeError):

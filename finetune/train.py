@@ -20,7 +20,6 @@ import deepspeed
 import torch
 
 from finetune import checkpoint, dist, parallel, perf
-from finetune.run import console, folder, folder_lock, preempt, watchdog
 from finetune.checkpoint import resume_check
 from finetune.config import ConfigError, recipe_to_dict
 from finetune.data import ReportedElsewhere, build_datasets
@@ -29,15 +28,16 @@ from finetune.data.samples import TokenizedData
 from finetune.data.tokenizer import load_tokenizer
 from finetune.ds_config import engine_config, nvme_swap_dirs, zero_stage
 from finetune.export.weights import export_engine
-from finetune.model.generate import answer
 from finetune.memory.budget import enforce
-from finetune.run.metrics import MetricsLog, truncate_metrics
 from finetune.model.build import build_model, trainable_parameters
+from finetune.model.generate import answer
 from finetune.model.optim import build_optimizer
 from finetune.model.preference import build_preference_loss
 from finetune.parallel import groups as sp_groups, ulysses
 from finetune.prepare import Run, parse_args, prepare
+from finetune.run import console, folder, folder_lock, preempt, watchdog
 from finetune.run.activity import ACTIVITY
+from finetune.run.metrics import MetricsLog, truncate_metrics
 from finetune.step import Loop, TrainingError, evaluate, step_record, train_step
 
 # What callers import from here, though defined beside it (prepare: the checks before any process group; step: the

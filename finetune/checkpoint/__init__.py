@@ -13,9 +13,9 @@ from finetune.checkpoint.layout import (ENGINE_TAG, MARKER, STEP_DIR, UNIVERSAL_
                                         saved_world_size)
 from finetune.checkpoint.space import (WRITE_PROBE, check_output_dir, checkpoints_to_fit, estimate_checkpoint_bytes,
                                        new_checkpoints_at_once, planned_saves)
-from finetune.checkpoint.store import SaveError, load, prepare_reshard, save
-from finetune.checkpoint.portable import data_position, resume_note, resume_route
 from finetune.checkpoint.manifest import MANIFEST, verified_resume, verify, verify_on_ranks
+from finetune.checkpoint.portable import data_position, resume_note, resume_route
+from finetune.checkpoint.store import SaveError, load, prepare_reshard, save
 
 __all__ = ["ENGINE_TAG", "MARKER", "STEP_DIR", "UNIVERSAL_TAG", "WRITE_PROBE", "SaveError", "check_output_dir",
            "checkpoints_dir", "checkpoints_to_fit", "complete_checkpoints", "estimate_checkpoint_bytes", "find_latest",

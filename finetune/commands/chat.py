@@ -28,8 +28,8 @@ from finetune.checkpoint import MARKER, STEP_DIR, find_latest
 from finetune.config import ConfigError
 from finetune.data.template import Message, encode_prompt
 from finetune.data.tokenizer import load_tokenizer
-from finetune.model.generate import reply
 from finetune.model import folder as model_folder
+from finetune.model.generate import reply
 from finetune.run import console
 from finetune.run import folder as run_folder
 

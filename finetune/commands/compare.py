@@ -24,10 +24,10 @@ from finetune.commands.plot import INSTALL_HINT, MissingMatplotlib, plot_runs, p
 from finetune.config import ConfigError, load_recipe
 from finetune.ds_config import offloads_optimizer, zero_stage
 from finetune.memory.budget import describe_checkpointing
-from finetune.run.metrics import METRICS_FILE, read_metrics
 from finetune.memory.estimate import GIB, estimate_run
 from finetune.run import console
 from finetune.run import folder as run_folder
+from finetune.run.metrics import METRICS_FILE, read_metrics
 
 OWNED = ("train.output_dir", "train.max_steps")  # compare sets these; --out and --steps say them once for every stage
 BF16_TOLERANCE, FP32_TOLERANCE = 2e-2, 1e-4

@@ -15,8 +15,8 @@ import json
 import os
 from typing import Any
 
-from finetune.run.metrics import METRICS_FILE, MetricsError, read_metrics
 from finetune.run import console
+from finetune.run.metrics import METRICS_FILE, MetricsError, read_metrics
 
 # (panel title, y label, series drawn in it: (metrics key, line style, legend suffix))
 PANELS = [

@@ -15,9 +15,9 @@ import numpy as np
 from finetune.config import ConfigError, DataConfig
 from finetune.data import formats  # noqa: F401  (importing it registers the built-in formats)
 from finetune.data.cache import DataReport, ReportedElsewhere, load_or_tokenize
-from finetune.data.samples import TokenizedData
 from finetune.data.mix import concat, split_eval, weighted
 from finetune.data.registry import get_format, load_plugins
+from finetune.data.samples import TokenizedData
 from finetune.data.sources import DataError, Source, parse_mix
 
 __all__ = ["DataError", "DataReport", "ReportedElsewhere", "build_datasets", "resolve_sources"]

@@ -31,8 +31,8 @@ from finetune.config import ConfigError, DataConfig
 from finetune.data import registry, template
 from finetune.data.registry import Encoder, RecordError, get_format
 from finetune.data.samples import TokenizedData
-from finetune.data.template import Pair
 from finetune.data.sources import DataError, file_fingerprint, parse_raw, read_raw
+from finetune.data.template import Pair
 from finetune.run import folder as run_folder
 
 CHUNK_RECORDS = 256  # records per worker task: large enough to amortise pickling, small enough to spread a small file

@@ -146,7 +146,9 @@ def estimate_run(model_config: dict[str, Any], recipe, ds: dict[str, Any], world
     tiled = tiled_mlp_on(m.tiled_mlp, seq_len)
     acts = estimate_activations(model_config, lora, seq_len, recipe.train.micro_batch_size, m.activation_checkpointing,
                                 act_bytes, attn, recipe.data.packing, adapter_dtype_bytes=adapter_bytes,
-                                fused_loss=m.fused_loss, liger=uses_liger(m.kernels), recompute_layers=m.recompute_layers,
+                                # a preference objective keeps the whole logits (each token's log-prob; perf.apply)
+                                fused_loss=m.fused_loss and recipe.train.objective == "sft",
+                                liger=uses_liger(m.kernels), recompute_layers=m.recompute_layers,
                                 fused_mlp=m.fused_mlp, tiled_mlp=tiled, sequence_parallel=sp)
     buffers = estimate_buffers(model_config, ds, stage, weight_bytes)
     trained_bytes = adapter_bytes if lora is not None else weight_bytes

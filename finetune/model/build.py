@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from finetune.model import folder, init_weights
 from finetune.config import ConfigError, LoraConfig, ModelConfig
 from finetune.ds_config import bf16_enabled, zero_stage
+from finetune.model import folder, init_weights
 from finetune.model.recompute import marking
 
 def check_model_dir(cfg: ModelConfig) -> dict[str, Any]:

@@ -18,8 +18,8 @@ import resource
 import time
 from typing import Any
 
-from finetune.run.trackers import build_backends
 from finetune.run import folder as run_folder
+from finetune.run.trackers import build_backends
 
 METRICS_FILE = run_folder.METRICS
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16

@@ -184,17 +184,16 @@ def test_a_checkpoints_export_prints_only_zerotunes_line(checkpointed, tmp_path)
         assert (tmp_path / "quiet" / name).read_bytes() == (tmp_path / "loud" / name).read_bytes()
 
 
-def test_a_checkpoints_export_refuses_a_folder_with_files_unless_overwrite(checkpointed, tmp_path):
+def test_a_checkpoints_export_refuses_a_folder_with_files_unless_overwrite(checkpointed, tmp_path, capsys):
     out = tmp_path / "mine"
     out.mkdir()
     (out / "notes.txt").write_text("my notes")
-    refused = export_process(checkpointed, "--out", str(out))
-    assert refused.returncode == 2 and refused.stdout == ""
-    assert refused.stderr == (f"zerotune: error: --out {str(out)!r} is not empty (it holds notes.txt): choose another "
-                              f"folder, or pass --overwrite to replace it (its files stay until the new export is "
-                              f"complete)\n")
+    code, stdout, stderr = export(capsys, checkpointed, "--out", str(out))  # in this process: the output is not the subject
+    assert code == 2 and stdout == ""
+    assert stderr == (f"zerotune: error: --out {str(out)!r} is not empty (it holds notes.txt): choose another "
+                      f"folder, or pass --overwrite to replace it (its files stay until the new export is complete)\n")
     assert os.listdir(out) == ["notes.txt"] and (out / "notes.txt").read_text() == "my notes"
-    replaced = export_process(checkpointed, "--out", str(out), "--overwrite")
-    assert replaced.returncode == 0, replaced.stdout + replaced.stderr
+    code, stdout, stderr = export(capsys, checkpointed, "--out", str(out), "--overwrite")
+    assert code == 0, stdout + stderr
     assert "notes.txt" not in os.listdir(out) and (out / "model.safetensors").is_file()
     assert sorted(os.listdir(tmp_path)) == ["mine"]
