@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -45,8 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.long_context import _plan  # noqa: E402
-from benchmarks.vs_peer import versions  # noqa: E402
-from finetune.dist import free_port  # noqa: E402
+from benchmarks.vs_peer import launch, versions  # noqa: E402
 from finetune.run.metrics import read_metrics  # noqa: E402
 
 WORDS = ("model data train step loss token batch layer rank shard memory gradient weight bias norm attention "
@@ -105,29 +103,6 @@ def write_pairs(path: str, n: int, prompt_tokens: int, response_tokens: int, see
 
 
 # --- the runs ---------------------------------------------------------------------------------------------------
-
-def launch(script: list[str], gpus: int, log: str, timeout: int,
-           env: dict[str, str] | None = None) -> tuple[int, str, float]:
-    """(exit code, the log's last lines, wall seconds) of one `deepspeed` launch; `env` adds variables. The launch is
-    its own process group: at the time limit the whole group is killed, the ranks with the launcher (killing the
-    launcher alone leaves its ranks running, holding the GPU while the next launch starts)."""
-    cmd = ["deepspeed", "--num_gpus", str(gpus), "--master_addr", "127.0.0.1", "--master_port", str(free_port())] + script
-    start = time.monotonic()
-    with open(log, "w") as f:
-        f.write(" ".join(cmd) + "\n")
-        f.flush()
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})},
-                                start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            code = 124
-    with open(log) as f:
-        tail = "".join(f.readlines()[-15:])
-    return code, tail, round(time.monotonic() - start, 1)
-
 
 def save_init(config_dir: str, dest: str) -> str:
     """A random init of the model in `config_dir` saved to `dest` (bf16, built on the GPU; fp32 on a CPU), in a

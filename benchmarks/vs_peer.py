@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -45,16 +46,21 @@ def issue_flops_per_token(seq: int) -> float:
 
 def launch(script: list[str], gpus: int, log: str, timeout: int,
            env: dict[str, str] | None = None) -> tuple[int, str, float]:
-    """(exit code, the log's last lines, wall seconds) of one `deepspeed` launch; `env` adds variables."""
+    """(exit code, the log's last lines, wall seconds) of one `deepspeed` launch; `env` adds variables. The launch is
+    its own process group: at the time limit the whole group is killed, the ranks with the launcher (killing the
+    launcher alone leaves its ranks running, holding the GPU while the next launch starts)."""
     cmd = ["deepspeed", "--num_gpus", str(gpus), "--master_addr", "127.0.0.1", "--master_port", str(free_port())] + script
     start = time.monotonic()
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})},
+                                start_new_session=True)
         try:
-            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT,
-                                  env={**os.environ, **(env or {})}).returncode
+            code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             code = 124
     with open(log) as f:
         tail = "".join(f.readlines()[-15:])

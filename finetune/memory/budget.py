@@ -169,7 +169,7 @@ def plan_memory(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, wo
     limit = FIT_FRACTION * budget_gib * GIB
     tilings = tiling_options(recipe.model.tiled_mlp, seq_len)
     degrees = sequence_parallel_degrees(recipe.train.sequence_parallel, model_config, world, ranks_per_node,
-                                        recipe.model.attn_implementation)
+                                        recipe.model.attn_implementation, recipe.train.objective)
     passed_over, smallest, lowest_per_degree, refused = [], None, {}, set()
     for offload in (False, True):
         for sp in degrees:

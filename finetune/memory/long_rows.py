@@ -22,13 +22,14 @@ from finetune.parallel.degree import ATTENTION, check_heads
 
 
 def sequence_parallel_degrees(setting: int | str, cfg: dict[str, Any], world: int, ranks_per_node: int,
-                              attn_implementation: str = "auto") -> list[int]:
+                              attn_implementation: str = "auto", objective: str = "sft") -> list[int]:
     """The degrees to try, in order: the recipe's own when it names one; for `auto` 1, then the valid degrees inside
     one node (ascending), then across nodes (ascending). Sequence parallelism runs zerotune's attention only
-    (finetune/parallel/degree.py): with another model.attn_implementation, 1."""
+    (finetune/parallel/degree.py): with another model.attn_implementation, 1; and a preference objective scores whole
+    pairs on one rank (finetune/model/preference.py): 1."""
     if isinstance(setting, int):
         return [setting]
-    if attn_implementation not in ATTENTION:
+    if attn_implementation not in ATTENTION or objective != "sft":
         return [1]
     valid = [n for n in range(2, world + 1) if world % n == 0 and compatible_with_heads(cfg, n)]
     inside = [n for n in valid if n <= ranks_per_node and ranks_per_node % n == 0]

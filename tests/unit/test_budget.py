@@ -347,6 +347,7 @@ def test_sequence_parallel_degrees_divide_the_world_and_the_heads():
     from finetune.memory.long_rows import sequence_parallel_degrees
 
     assert sequence_parallel_degrees("auto", MISTRAL, 16, 8) == [1, 2, 4, 8, 16]  # 16: each rank a copy of a kv head
+    assert sequence_parallel_degrees("auto", MISTRAL, 16, 8, objective="dpo") == [1]  # whole pairs on one rank
     assert sequence_parallel_degrees("auto", MISTRAL, 16, 4) == [1, 2, 4, 8, 16]  # 8, 16 span nodes: after 2, 4
     assert sequence_parallel_degrees("auto", MISTRAL, 12, 12) == [1, 2, 4]  # 3, 6, 12 do not divide 32 heads
     assert sequence_parallel_degrees("auto", MISTRAL, 12, 6) == [1, 2, 4]  # 4 is not inside a node of 6
