@@ -154,6 +154,34 @@ def _spawn_ranks(world: int, script: str, args: list[str], timeout: int, env: di
     return subprocess.CompletedProcess(cmd, 0, stdout, stderr)
 
 
+def step_losses(out: str) -> list[tuple[int, float]]:
+    """(step, loss) of every step record in OUT/metrics.jsonl so far; [] before the first."""
+    path = os.path.join(out, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [(r["step"], r["loss"]) for r in map(json.loads, f) if "loss" in r]
+
+
+def kill_two_ranks_when(args: list[str], log: str, until, timeout: float = 300) -> None:
+    """Start 2 ranks of finetune/main.py (each writing `log`K) and SIGKILL both as soon as until() holds, as kill -9
+    would; fails if they end or time out first."""
+    procs = start_ranks(2, "finetune/main.py", args, loopback_env(MASTER_PORT=str(free_port())),
+                        [(f"{log}{rank}",) * 2 for rank in range(2)])
+    deadline = time.time() + timeout
+    try:
+        while not until():
+            assert all(p.poll() is None for p in procs), "the run ended before it could be killed"
+            assert time.time() < deadline, "the run never reached the point to kill it at"
+            time.sleep(0.002)
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.wait()
+
+
 def run_two_ranks(args: list[str], log: str, timeout: float = 300) -> list[int]:
     """2 ranks of finetune/main.py started as DeepSpeed's launcher would (start_ranks), each writing `log`K; waited
     for, and killed if they outlive `timeout`; their exit codes."""

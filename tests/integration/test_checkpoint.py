@@ -7,19 +7,15 @@
   `zerotune export`) reproduces the engine's logits on a fixed prompt.
 - A half-written checkpoint is never resumed from; an unwritable output dir fails before the first step."""
 
-import contextlib
 import json
 import os
 import shutil
-import signal
-import time
 
 import pytest
 import torch
 from finetune import checkpoint
 from finetune.config import ConfigError
-from tests.helpers import (ROOT, SMALL_VOCAB, TINY_RECIPE, ds_variant, free_port, loopback_env, run_ranks,
-                           save_tiny_model, start_ranks)
+from tests.helpers import (ROOT, SMALL_VOCAB, TINY_RECIPE, ds_variant, kill_two_ranks_when, run_ranks, save_tiny_model)
 
 
 CASES = [(stage, lora, bf16) for stage in (2, 3) for lora in (False, True) for bf16 in (False, True)]
@@ -250,23 +246,6 @@ def test_offline_export_of_a_checkpoint(runs, tmp_path, lora):
     torch.testing.assert_close(got, torch.load(tmp / n / "straight" / "engine_logits.pt"), atol=1e-5, rtol=0)
 
 
-def _start_and_kill(args: list[str], out, until) -> None:
-    """Start 2 ranks of finetune/main.py, SIGKILL both as soon as until(out) holds."""
-    logs = [(str(out) + f".rank{rank}.log",) * 2 for rank in range(2)]
-    procs = start_ranks(2, "finetune/main.py", args, loopback_env(MASTER_PORT=str(free_port())), logs)
-    deadline = time.time() + 300
-    try:
-        while not until(out):
-            assert all(p.poll() is None for p in procs), "the run ended before it could be killed"
-            assert time.time() < deadline, "the run never reached the point to kill it at"
-            time.sleep(0.002)
-    finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGKILL)
-        for p in procs:
-            p.wait()
-
 
 @pytest.mark.parametrize("moment", ["training", "saving"])
 def test_kill_9_then_resume_continues_the_uninterrupted_curve(runs, tmp_path, moment):
@@ -283,10 +262,10 @@ def test_kill_9_then_resume_continues_the_uninterrupted_curve(runs, tmp_path, mo
             f"train.output_dir={out}"]
     ckpts = out / "checkpoints"
     if moment == "training":
-        until = lambda o: (ckpts / "step_00000004" / checkpoint.MARKER).exists()
+        until = (ckpts / "step_00000004" / checkpoint.MARKER).exists
     else:
-        until = lambda o: (ckpts / ".tmp-step_00000004").exists()
-    _start_and_kill(args, out, until)
+        until = (ckpts / ".tmp-step_00000004").exists
+    kill_two_ranks_when(args, f"{out}.rank", until)
     last = checkpoint.find_latest(str(out))
     assert last is not None
     resumed_from = int(last.rsplit("_", 1)[1])

@@ -30,20 +30,13 @@ import pytest
 
 from finetune.checkpoint import MARKER, complete_checkpoints
 from tests.fixtures.sshd_fixture import missing_binaries
-from tests.helpers import (ROOT, SMALL_VOCAB, TINY_RECIPE, ds_variant, free_port, run_two_ranks,
-                           save_tiny_model)
+from tests.helpers import (ROOT, SMALL_VOCAB, TINY_RECIPE, ds_variant, free_port, run_two_ranks, save_tiny_model,
+                           step_losses)
 from tests.fixtures.launch_cluster import launch, rank_pid
 
 # pdsh puts `host: ` before each line of a rank.
 LINE = re.compile(r"^(?:\S+: )?stopped at step (\d+) by (SIGTERM|SIGUSR1|train\.stop_at); resume with: (.+)$", re.M)
 
-
-def _losses(out: str) -> list[tuple[int, float]]:
-    path = os.path.join(out, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [(r["step"], r["loss"]) for r in map(json.loads, f) if "loss" in r]
 
 
 def _wait(condition, job: subprocess.Popen, what: str, timeout: float = 240, poll: float = 0.01):
@@ -117,7 +110,7 @@ def runs(request, tmp_path_factory):
             os.kill(pid, signal.SIGTERM)
     finally:
         first = job.finish()
-    first.update(before=before, saving=saving, losses=_losses(out),
+    first.update(before=before, saving=saving, losses=step_losses(out),
                  after={step: _hashes(path) for step, path in complete_checkpoints(out)},
                  left=sorted(os.listdir(os.path.join(out, "checkpoints"))))
     line = LINE.search(first["log"])
@@ -128,18 +121,18 @@ def runs(request, tmp_path_factory):
     args = command[command.index("--") + 1:] if "--" in command else command[4:]
     job = _Job(request, tmp / "cwd", args)
     try:
-        _wait(lambda: [s for s, _ in _losses(out) if s > stopped], job.proc, "a step after the resumed one")
+        _wait(lambda: [s for s, _ in step_losses(out) if s > stopped], job.proc, "a step after the resumed one")
         os.kill(job.proc.pid, signal.SIGUSR1)
     finally:
         second = job.finish()
-    second["losses"] = _losses(out)
+    second["losses"] = step_losses(out)
     line = LINE.search(second["log"])
     assert line, second["log"][-4000:]
     end = int(line[1])
     # Run 3: straight to the same step.
     straight_out = str(tmp / "straight")
     codes = run_two_ranks(common + [f"train.output_dir={straight_out}", f"train.stop_at={end}"], str(tmp / "straight.log"))
-    straight = {"codes": codes, "log": (tmp / "straight.log0").read_text(), "losses": _losses(straight_out),
+    straight = {"codes": codes, "log": (tmp / "straight.log0").read_text(), "losses": step_losses(straight_out),
                 "out": straight_out}
     return {"first": first, "stopped": stopped, "command": command, "second": second, "end": end, "out": out,
             "straight": straight}

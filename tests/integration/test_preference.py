@@ -15,20 +15,17 @@
 Every training of the oracle runs in one launch per world size (tests/fixtures/preference_driver.py).
 """
 
-import contextlib
 import json
 import math
 import os
-import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from finetune import checkpoint
-from tests.helpers import (ROOT, SMALL_VOCAB, TINY_RECIPE, ds_variant, free_port, loopback_env, run_ranks,
-                           save_tiny_model, start_ranks)
+from tests.helpers import (ROOT, SMALL_VOCAB, TINY_RECIPE, ds_variant, free_port, kill_two_ranks_when, loopback_env,
+                           run_ranks, save_tiny_model, start_ranks)
 
 STAGES = [0, 1, 2, 3]
 STEPS = 4
@@ -90,23 +87,6 @@ def _demo_and_refusal(tmp) -> dict:
     return {"demo": demo, "refusals": refusals}
 
 
-def _start_and_kill(args: list[str], log: str, until) -> None:
-    """Start 2 ranks of finetune/main.py, SIGKILL both as soon as until() holds (test_checkpoint.py's kill -9 test)."""
-    procs = start_ranks(2, "finetune/main.py", args, loopback_env(MASTER_PORT=str(free_port())),
-                        [(f"{log}{rank}",) * 2 for rank in range(2)])
-    deadline = time.time() + 300
-    try:
-        while not until():
-            assert all(p.poll() is None for p in procs), "the run ended before it could be killed"
-            assert time.time() < deadline, "the run never reached the point to kill it at"
-            time.sleep(0.002)
-    finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGKILL)
-        for p in procs:
-            p.wait()
-
 
 def _kill_and_resume(tmp, model_dir: str, ds: str) -> dict:
     """The 2-rank ZeRO-3 full case (its DeepSpeed file `ds`) with a checkpoint every SAVED steps, killed once its
@@ -115,7 +95,7 @@ def _kill_and_resume(tmp, model_dir: str, ds: str) -> dict:
     args = ["--deepspeed", ds, "--config", TINY_DPO, *overrides(model_dir, str(out), False, 2),
             f"train.save_every={SAVED}"]
     marker = out / "checkpoints" / f"step_{SAVED:08d}" / checkpoint.MARKER
-    _start_and_kill(args, str(tmp / "killed.rank"), marker.exists)
+    kill_two_ranks_when(args, str(tmp / "killed.rank"), marker.exists)
     reference = out / "reference_logps.pt"
     before = (reference.read_bytes(), reference.stat().st_mtime_ns)
     last = checkpoint.find_latest(str(out))

@@ -29,19 +29,12 @@ import pytest
 from finetune.checkpoint import MARKER, complete_checkpoints
 from tests.fixtures.sshd_fixture import IsolatedNetwork
 from tests.helpers import (ROOT, SMALL_VOCAB, TINY_RECIPE, ds_variant, free_port, loopback_env, run_two_ranks,
-                           save_tiny_model)
+                           save_tiny_model, step_losses)
 
 LINE = re.compile(r"^stopped at step (\d+) by (SIGTERM|train\.stop_at); resume with: (.+)$", re.M)
 MORE_STEPS = 2
 """Steps the resumed run trains past the stop."""
 
-
-def _losses(out: str) -> list[tuple[int, float]]:
-    path = os.path.join(out, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [(r["step"], r["loss"]) for r in map(json.loads, f) if "loss" in r]
 
 
 def _job_processes(port: int) -> list[psutil.Process]:
@@ -83,11 +76,11 @@ def runs(tmp_path_factory):
         reader.start()
         try:
             deadline = time.monotonic() + 240
-            while len(_losses(out)) < 2:
+            while len(step_losses(out)) < 2:
                 assert job.poll() is None, "".join(lines)[-4000:]
                 assert time.monotonic() < deadline, "no two steps in 240 s:\n" + "".join(lines)[-4000:]
                 time.sleep(0.05)
-            trained = len(_losses(out))
+            trained = len(step_losses(out))
             os.killpg(job.pid, signal.SIGTERM)  # what `timeout` sends: every process of the group
             code = job.wait(timeout=180)
         finally:
@@ -99,7 +92,7 @@ def runs(tmp_path_factory):
     for p in left:  # the assertion below names them; the test leaves nothing running
         p.kill()
     first = {"code": code, "log": "".join(lines), "trained": trained, "left": [p.pid for p in left],
-             "checkpoints": complete_checkpoints(out), "losses": _losses(out),
+             "checkpoints": complete_checkpoints(out), "losses": step_losses(out),
              "names": sorted(os.listdir(os.path.join(out, "checkpoints")))}
     line = LINE.search(first["log"])
     assert line, first["log"][-4000:]
@@ -108,11 +101,11 @@ def runs(tmp_path_factory):
     # The resume line's arguments: after the script in DeepSpeed's command (one machine), after `--` in the launcher's.
     args = command[command.index("--") + 1:] if "--" in command else command[4:]
     resumed = {"codes": run_two_ranks(args + [f"train.stop_at={end}"], str(tmp / "resumed.log")),
-               "losses": _losses(out), "log": (tmp / "resumed.log0").read_text()}
+               "losses": step_losses(out), "log": (tmp / "resumed.log0").read_text()}
     straight_out = str(tmp / "straight")
     straight = {"codes": run_two_ranks(common + [f"train.output_dir={straight_out}", f"train.stop_at={end}"],
                                     str(tmp / "straight.log")),
-                "losses": _losses(straight_out), "log": (tmp / "straight.log0").read_text()}
+                "losses": step_losses(straight_out), "log": (tmp / "straight.log0").read_text()}
     return {"first": first, "stopped": stopped, "command": command, "args": args, "end": end, "out": out,
             "resumed": resumed, "straight": straight}
 
