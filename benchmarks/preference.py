@@ -18,8 +18,9 @@ The runs, each its own `deepspeed --num_gpus 1` launch (loopback rendezvous), in
   activation checkpointing and micro-batch); the reference is precomputed once before the first step.
 
 pairs/s is the pairs of the steps after --skip over their summed step times (zerotune: metrics.jsonl; TRL: wall time
-from one step's end to the next, as benchmarks/peer_hf_trainer.py times the Trainer); tok/s counts the tokens of both
-sequences of each pair (prompt twice), padding not included. The pairs are random words (write_pairs) whose lengths
+from one step's end to the next, as benchmarks/peer_hf_trainer.py times the Trainer); tok/s is pairs/s times the
+data's mean tokens per pair, both sequences whole (prompt twice), padding not included, for every system alike
+(zerotune's rows hold a pair's prompt once where train.share_prompt is on: its row tokens/s are row_tokens_per_s). The pairs are random words (write_pairs) whose lengths
 are set in tokens of the real Mistral-7B tokenizer: a prompt of --prompt-tokens and responses of about
 --response-tokens, so a sequence is about 1,024 tokens and two pairs fill a 4,096-token row.
 
@@ -56,6 +57,7 @@ LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0,
 # TRL's settings, tried in order until one runs: (pairs per step, activation checkpointing, liger layer kernels)
 PEER_SETTINGS = ((8, "off", "on"), (4, "off", "on"), (8, "on", "on"))
 LORA_KEY, FULL_KEY = ("lora_zero2", "zerotune"), ("full_zero3", "zerotune")
+LORA_PRE_KEY = ("lora_zero2", "zerotune, precomputed reference")
 PEER_KEY = ("lora_zero2", "trl")
 TARGET = 1.5  # zerotune's LoRA DPO pairs/s over TRL's that the table marks
 
@@ -137,7 +139,7 @@ def run_zerotune(key: tuple[str, str], ds: str, sets: list[str], steps: int, ski
     """One zerotune run (recipes/mistral7b_dpo.yaml and `sets`) of `steps` steps; pairs/s, tok/s and the peak from
     its metrics.jsonl, the steps after `skip`."""
     config, system = key
-    out = os.path.join(a.workdir, f"{system}_{config}")
+    out = os.path.join(a.workdir, f"{system.split(',')[0]}_{config}" + ("_precomputed" if key == LORA_PRE_KEY else ""))
     script = ["finetune/main.py", "--deepspeed", ds, "--config", "recipes/mistral7b_dpo.yaml",
               f"model.path={a.model}", "model.tokenizer=mistral-common", f"data.max_seq_len={a.max_seq_len}",
               f"train.max_steps={steps}", "optim.warmup_steps=2", f"train.output_dir={out}", "train.overwrite=true",
@@ -152,8 +154,11 @@ def run_zerotune(key: tuple[str, str], ds: str, sets: list[str], steps: int, ski
     if code != 0 or len(steps_done) < steps or not timed:
         return {**result, "error": _ran_out(code, tail), "log_tail": tail}
     seconds = sum(r["step_time_s"] for r in timed)
-    return {**result, "pairs_per_s": sum(r["pairs"] for r in timed) / seconds,
-            "tokens_per_s": sum(r["tokens"] for r in timed) / seconds, "step_time_s": seconds / len(timed),
+    pairs_per_s = sum(r["pairs"] for r in timed) / seconds
+    # tok/s as TRL's is counted: both sequences of each pair whole (the prompt twice), whatever the rows hold
+    pair_tokens = a.pair_tokens["full" if key == FULL_KEY else "lora"]
+    return {**result, "pairs_per_s": pairs_per_s, "tokens_per_s": pairs_per_s * pair_tokens,
+            "row_tokens_per_s": sum(r["tokens"] for r in timed) / seconds, "step_time_s": seconds / len(timed),
             "pairs_per_step": sum(r["pairs"] for r in timed) / len(timed),
             "peak_mem_gib": max(r["peak_mem_gib"] for r in steps_done), "losses": [r["loss"] for r in steps_done],
             "reward_accuracy": [r.get("accuracy") for r in steps_done], "settings": _settings(out),
@@ -313,7 +318,7 @@ def table(results: list[dict]) -> str:
     peer = rows.get(PEER_KEY, {}).get("pairs_per_s")
     lines = ["| config | system | settings | pairs/s | tok/s | peak GiB | vs TRL |",
              "|---|---|---|---:|---:|---:|---:|"]
-    for key in (LORA_KEY, PEER_KEY, FULL_KEY):
+    for key in (LORA_KEY, LORA_PRE_KEY, PEER_KEY, FULL_KEY):
         r = rows.get(key)
         if r is None:
             continue
@@ -356,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/preference/preference.json", help="the results JSON")
     p.add_argument("--smoke", action="store_true", help="a CPU check of the whole path: tiny model, short pairs")
-    p.add_argument("--runs", nargs="+", default=["lora", "peer", "full"], choices=["lora", "peer", "full"])
+    p.add_argument("--runs", nargs="+", default=["lora", "peer", "full"], choices=["lora", "lora_pre", "peer", "full"],
+                   help="lora_pre: zerotune's LoRA DPO with train.reference=precomputed (scored before the first "
+                        "step, outside the step times)")
     p.add_argument("--pairs", type=int, default=128, help="pairs in the LoRA runs' data")
     p.add_argument("--full-pairs", type=int, default=56, help="pairs in the full run's data (its reference is "
                                                                "precomputed over all of them)")
@@ -402,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     full_data = os.path.join(a.workdir, "pairs_full.jsonl")
     data = {"lora": write_pairs(a.data, a.pairs, a.prompt_tokens, a.response_tokens),
             "full": write_pairs(full_data, a.full_pairs, a.prompt_tokens, a.response_tokens, seed=1)}
+    a.pair_tokens = {k: v["pair_tokens_mean"] for k, v in data.items()}
     print(f"pairs: {json.dumps(data)}", flush=True)
     results: list[dict] = []
 
@@ -428,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
             break
         if run == "lora":
             report(run_zerotune(LORA_KEY, lora_ds, [f"data.path={a.data}"], a.steps, a.skip, timeout(), a))
+        elif run == "lora_pre":
+            report(run_zerotune(LORA_PRE_KEY, lora_ds, [f"data.path={a.data}", "train.reference=precomputed"],
+                                a.steps, a.skip, timeout(), a))
         elif run == "peer":
             for r in run_peer(a, deadline):
                 report(r)

@@ -192,6 +192,9 @@ class TrainConfig:
     """The reference model of dpo and ipo: `adapters_off` = the LoRA model with its adapters disabled (no second
     model); `precomputed` = the starting model's log-probabilities, computed once before the first step and kept in
     the run folder; `auto` = adapters_off with LoRA, precomputed for full fine-tuning."""
+    share_prompt: Literal["auto", "on", "off"] = "auto"
+    """A pair's prompt once in a row, its rejected response seeing the chosen one's copy: fewer tokens, the same
+    log-probs. It needs zerotune's attention (model.attn_implementation flex); `auto`: wherever that runs."""
     stall_timeout_s: float | Literal["auto"] | None = "auto"
     """End the run (exit 4) when no step finishes, and no eval batch, save, sample or export starts, for this many
     seconds: every running rank writes its Python stacks to <output_dir>/stall/rank_K.txt and the lowest running rank

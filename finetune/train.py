@@ -69,6 +69,7 @@ def train(run: Run, on_end=None) -> list[dict[str, Any]]:
     # 5. Optimizer, schedule and DeepSpeed engine, and the engine's speed-ups
     engine, optimizer, scheduler = _build_engine(run, model)
     applied += perf.apply_engine(engine, run.recipe)
+    applied += ["shared_prompt"] if loader.data.prefix is not None else []  # the data's layout (_load_data)
     _report_speedups(run, applied)
     # 6. Resume: the checkpoint's engine, optimizer, schedule and RNG; its step is the data position
     start_step = _resume(run, engine, optimizer, scheduler)
@@ -154,6 +155,12 @@ def _load_data(run: Run, cache_before: set[str] | None) -> tuple[Any, StepLoader
             raise error
         raise ReportedElsewhere("the data error is reported by another rank")
     dist.print0(f"data: {report.summary()}")
+    if perf.shares_prompts(r):  # one copy of each pair's prompt per row (finetune/data/loader.py collate)
+        train_data = train_data.with_shared_prompts()
+        eval_data = eval_data.with_shared_prompts() if eval_data is not None else None
+        shared, total = int(train_data.prefix.sum()), int(train_data.lengths.sum())
+        dist.print0(f"shared prompts: each pair's prompt once per row, {shared:,} of {total:,} training tokens "
+                    f"({shared / max(total, 1):.0%}) fewer")
     # The ranks of a sequence-parallel group take the same rows, each its slice of them.
     degree = parallel.degree_of(r)
     dp_rank, sp_rank = parallel.layout(dist.rank(), degree)

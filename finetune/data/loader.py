@@ -25,10 +25,10 @@ IGNORE = -100
 def epoch_rows(data: TokenizedData, capacity: int, packing: bool, shuffle: bool, seed: int, epoch: int) -> list[list[int]]:
     """Rows (lists of sample indices) of one epoch, in training order.
 
-    Of paired data the unit shuffled and packed is a pair (its length: chosen + rejected), so a row lists whole
-    pairs, each as 2k, 2k+1 side by side (chosen first); without packing a row is one pair."""
+    Of paired data the unit shuffled and packed is a pair (its length: chosen + rejected, less a shared prompt), so a
+    row lists whole pairs, each as 2k, 2k+1 side by side (chosen first); without packing a row is one pair."""
     rng = np.random.default_rng([seed, epoch])
-    lengths = data.lengths
+    lengths = data.row_lengths
     if data.paired:
         lengths = lengths[0::2] + lengths[1::2]
     order = rng.permutation(len(lengths)) if shuffle else np.arange(len(lengths))
@@ -103,7 +103,7 @@ class StepLoader:
                        self.sequence_parallel, self.pad_id) for k in range(self.gas)]
 
     def _row_tokens(self, row: list[int] | None) -> int:
-        return 0 if row is None else int(sum(self.data.lengths[i] for i in row))
+        return 0 if row is None else int(sum(self.data.row_lengths[i] for i in row))
 
 
 def eval_micro_batches(data: TokenizedData, rows_per_micro: int, world: int, rank: int, capacity: int,
@@ -135,17 +135,27 @@ def collate(rows: list[list[int] | None], data: TokenizedData, pad_id: int) -> d
     position_ids restarting at 0 is what tells transformers to isolate each sample's attention (a block-diagonal
     causal mask with sdpa/eager, variable-length kernels with flash attention), so no attention_mask is passed.
     sample_index gives each position's sample as its place in sample_ids (-1 on padding), for per-sequence sums.
+
+    Pairs with shared prompts (data.prefix): the rejected sequence's first prefix[k] tokens are not repeated; its rest
+    follows the chosen sequence with positions continuing from prefix[k] (the attention reads that as "also sees the
+    previous sample's first prefix[k] tokens"). Its first token after the prompt is predicted at the chosen copy's
+    last prompt position, which predicts the chosen response too: that second target is a `branch_targets` row
+    (row, position, token, place in sample_ids), [n, 4].
     """
-    ids_rows, pos_rows, tgt_rows, index_rows, lengths, sample_ids = [], [], [], [], [], []
-    for row in rows:
-        ids, pos, tgt, index = [], [], [], []
+    ids_rows, pos_rows, tgt_rows, index_rows, lengths, sample_ids, branches = [], [], [], [], [], [], []
+    for b, row in enumerate(rows):
+        ids, pos, tgt, index, at = [], [], [], [], 0
         for i in row or []:
             s_ids, s_labels = data.sample(i)
-            ids.append(s_ids)
-            pos.append(np.arange(len(s_ids)))
-            tgt.append(np.append(s_labels[1:], IGNORE))
-            index.append(np.full(len(s_ids), len(sample_ids)))
-            lengths.append(len(s_ids))
+            start = int(data.prefix[i // 2]) if data.prefix is not None and i % 2 else 0
+            if start and s_labels[start] != IGNORE:  # the chosen copy's position start-1 predicts it
+                branches.append((b, at - lengths[-1] + start - 1, int(s_labels[start]), len(sample_ids)))
+            ids.append(s_ids[start:])
+            pos.append(np.arange(start, len(s_ids)))
+            tgt.append(np.append(s_labels[start + 1:], IGNORE))
+            index.append(np.full(len(s_ids) - start, len(sample_ids)))
+            lengths.append(len(s_ids) - start)
+            at += len(s_ids) - start
             sample_ids.append(i)
         if not ids:  # an empty row: one pad token that trains nothing
             ids, pos, tgt, index = [np.array([pad_id])], [np.array([0])], [np.array([IGNORE])], [np.array([-1])]
@@ -170,4 +180,6 @@ def collate(rows: list[list[int] | None], data: TokenizedData, pad_id: int) -> d
     batch["sample_lengths"] = torch.tensor(lengths, dtype=torch.long)
     batch["sample_ids"] = torch.tensor(sample_ids, dtype=torch.long)  # indices into the tokenized data, for errors
     batch["sample_index"] = sample_index
+    if data.prefix is not None:
+        batch["branch_targets"] = torch.tensor(branches, dtype=torch.long).view(-1, 4)
     return batch

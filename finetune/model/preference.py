@@ -37,13 +37,16 @@ NEEDS_REFERENCE = ("dpo", "ipo")
 
 
 def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, sample_index: torch.Tensor,
-                   n_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   n_samples: int, branch_targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of target-token log-probabilities, number of target tokens) per sample, fp32, shape [n_samples].
 
     logits [rows, width, vocab]; targets [rows, width] (next token, -100 where nothing is predicted);
-    sample_index [rows, width]: which sample (0..n_samples-1) each position belongs to, -1 on padding."""
-    token_logps = -F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
-                                   ignore_index=-100, reduction="none")
+    sample_index [rows, width]: which sample (0..n_samples-1) each position belongs to, -1 on padding;
+    branch_targets [n, 4] (row, position, token, sample): second targets at positions whose own target belongs to
+    another sample (a shared prompt's last position predicts both responses' first tokens: loader.collate)."""
+    vocab = logits.shape[-1]
+    token_logps = -F.cross_entropy(logits.reshape(-1, vocab).float(), targets.reshape(-1), ignore_index=-100,
+                                   reduction="none")
     index = sample_index.reshape(-1)
     on = (targets.reshape(-1) != -100) & (index >= 0)
     where = index.clamp(min=0)
@@ -51,6 +54,11 @@ def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, sample_index: to
     counts = torch.zeros(n_samples, dtype=torch.float32, device=logits.device)
     sums = sums.index_add(0, where, torch.where(on, token_logps, torch.zeros_like(token_logps)))
     counts = counts.index_add(0, where, on.float())
+    if branch_targets is not None and len(branch_targets):
+        row, position, token, sample = branch_targets.to(logits.device).unbind(1)
+        extra = -F.cross_entropy(logits[row, position].float(), token, reduction="none")
+        sums = sums.index_add(0, sample, extra)
+        counts = counts.index_add(0, sample, torch.ones_like(extra))
     return sums, counts
 
 
@@ -144,10 +152,10 @@ class PreferenceLoss:
     def __call__(self, engine, mb, device, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of the pairs' losses, [len(STATS)] sums), both fp32 on the device; the loss carries the graph."""
         inputs = {"input_ids": mb["input_ids"].to(device), "position_ids": mb["position_ids"].to(device)}
-        targets, index = mb["targets"].to(device), mb["sample_index"].to(device)
+        targets, index, branches = mb["targets"].to(device), mb["sample_index"].to(device), mb.get("branch_targets")
         n = len(mb["sample_ids"])
-        logps, counts = sequence_logps(engine(**inputs).logits, targets, index, n)
-        ref = self._reference(engine, inputs, targets, index, mb, device, split)
+        logps, counts = sequence_logps(engine(**inputs).logits, targets, index, n, branches)
+        ref = self._reference(engine, inputs, targets, index, branches, mb, device, split)
         terms = pair_losses(self.objective, logps[0::2], logps[1::2], counts[0::2], counts[1::2],
                             ref[0::2] if ref is not None else None, ref[1::2] if ref is not None else None,
                             beta=self.beta, gamma=self.gamma)
@@ -156,14 +164,14 @@ class PreferenceLoss:
                              terms.chosen_logps.sum(), terms.rejected_logps.sum()])
         return terms.loss.sum(), stats
 
-    def _reference(self, engine, inputs, targets, index, mb, device, split: str) -> torch.Tensor | None:
+    def _reference(self, engine, inputs, targets, index, branches, mb, device, split: str) -> torch.Tensor | None:
         if self.reference is None:
             return None
         if self.reference == "precomputed":
             return self.precomputed[split][mb["sample_ids"]].to(device=device, dtype=torch.float32)
         with torch.no_grad(), adapters_off(engine.module):
             # the module itself, not the engine: one forward without gradients is no step of the engine's
-            return sequence_logps(engine.module(**inputs).logits, targets, index, len(mb["sample_ids"]))[0]
+            return sequence_logps(engine.module(**inputs).logits, targets, index, len(mb["sample_ids"]), branches)[0]
 
 
 def precompute_reference(engine, n_samples: int, micro_batches) -> torch.Tensor:
@@ -181,7 +189,7 @@ def precompute_reference(engine, n_samples: int, micro_batches) -> torch.Tensor:
             logits = engine.module(input_ids=mb["input_ids"].to(device),
                                    position_ids=mb["position_ids"].to(device)).logits
             sums = sequence_logps(logits, mb["targets"].to(device), mb["sample_index"].to(device),
-                                  len(mb["sample_ids"]))[0]
+                                  len(mb["sample_ids"]), mb.get("branch_targets"))[0]
             out[mb["sample_ids"]] = sums.double().cpu()
     engine.train()
     return dist.all_reduce_sum(out)  # each sample was scored by one rank; the others hold 0 there

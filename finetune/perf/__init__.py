@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.config import Recipe
+from finetune.config import ConfigError, Recipe
 from finetune.ds_config import zero_stage
 from finetune.perf import attention, liger, lora_dropout, tiled_mlp
 from finetune.perf.fused_lora import install_fused_lora
@@ -44,6 +44,8 @@ class SpeedUp:
     description: str
     engine: bool = False
     """Applied to the DeepSpeed engine (apply_engine) rather than to the model (apply)."""
+    data: bool = False
+    """Applied to the data's layout by the run (finetune/train.py), neither to the model nor to the engine."""
 
 
 SPEEDUPS = (
@@ -60,6 +62,9 @@ SPEEDUPS = (
             "output layer and loss a chunk of rows at a time, logits never whole"),
     SpeedUp("flex_attention", "model.attn_implementation", "sdpa",
             "FlexAttention over a block mask of the packed samples and the sliding window, no S x S mask (CUDA)"),
+    SpeedUp("shared_prompt", "train.share_prompt", "off",
+            "a preference pair's prompt once per row, the rejected response attending to the chosen one's copy",
+            data=True),
     SpeedUp("overflow_check", "optim.overflow_check", "deepspeed",
             "bf16 ZeRO-1/2 find a non-finite gradient by its norm alone, without DeepSpeed's per-tensor test", True),
 )
@@ -94,6 +99,20 @@ def apply(model, recipe: Recipe, ds_config: dict[str, Any]) -> list[str]:
         attention.install(model)
         applied.append("flex_attention")
     return applied
+
+
+def shares_prompts(recipe: Recipe) -> bool:
+    """Whether a preference run lays each pair out with one copy of its prompt (train.share_prompt): only where
+    zerotune's attention runs, the one that lets a continued document see the prompt before it."""
+    t = recipe.train
+    if t.objective == "sft" or t.share_prompt == "off":
+        return False
+    flex = attention.resolve(recipe.model.attn_implementation, _device_type()) == "flex"
+    if t.share_prompt == "on" and not flex:
+        raise ConfigError(f"train.share_prompt=on needs zerotune's attention, which model.attn_implementation="
+                          f"{recipe.model.attn_implementation} does not run here: set model.attn_implementation=flex "
+                          f"(auto is flex on a CUDA GPU), or train.share_prompt=auto")
+    return flex
 
 
 def _device_type() -> str:

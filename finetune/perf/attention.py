@@ -7,7 +7,10 @@ FlexAttention block mask, so masked blocks are skipped and no S x S mask ever ex
 The mask comes from position_ids alone, as transformers' masking_utils reads packed rows: a document starts wherever
 position_ids[i] != position_ids[i-1] + 1 (a sample restarting at 0, the padding after the last one), and a query sees
 the keys of its own document, causally, and, with a sliding window W, those with kv > q - W (W keys, itself
-included: masking_utils.sliding_window_overlay). One mask function (`document_mask`) is evaluated on both devices:
+included: masking_utils.sliding_window_overlay). One addition, which transformers' own attention does not make: a
+document that starts at position p > 0 continues the first p tokens of the document before it (a preference pair's
+rejected response after the prompt it shares with the chosen one, laid out once: finetune/data/loader.py), so its
+queries also see those keys, and the window counts positions. One mask function (`document_mask`) is evaluated on both devices:
 by FlexAttention's block mask on CUDA, and as a dense boolean mask for scaled_dot_product_attention elsewhere
 (FlexAttention has no CPU backward), so the CPU tests check the CUDA path's mask logic. Where that mask is plain
 causal (one document per row, no window inside it), the CUDA path runs SDPA's causal kernel instead (`plain_causal`).
@@ -67,16 +70,35 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
 
 
-def document_mask(docs: torch.Tensor, window: int | None) -> Callable:
-    """The mask_mod (b, h, q, kv) -> allowed: same document, causal, and inside the sliding window. `docs` is [1, s]
-    (every row alike) or [b, s]; the indices may be scalars (FlexAttention) or broadcasting tensors (dense path)."""
-    row = docs[0] if docs.shape[0] == 1 else None  # one row for the whole batch: b is no index into it
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] position_ids -> [b, s] the position each token's document starts at: 0, except for a document that
+    continues a shared prompt (a preference pair's rejected sequence after its chosen one: loader.collate)."""
+    index = torch.arange(position_ids.shape[-1], device=position_ids.device).expand_as(position_ids)
+    new = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1
+    first = torch.cummax(torch.where(new, index, torch.zeros_like(index)), dim=-1).values
+    return position_ids - (index - first)
+
+
+def document_mask(docs: torch.Tensor, window: int | None, positions: torch.Tensor | None = None,
+                  starts: torch.Tensor | None = None) -> Callable:
+    """The mask_mod (b, h, q, kv) -> allowed: causal, inside the sliding window, and the same document, or, for a
+    document starting at position p > 0 (`starts`), the first p tokens of the document before it: the shared prompt
+    it continues. `docs` (and `positions`, `starts`, given together) are [1, s] (every row alike) or [b, s]; the
+    indices may be scalars (FlexAttention) or broadcasting tensors (dense path). Without positions, a token's
+    position is its place in its document counted from 0, and the window counts places in the row."""
+    one_row = docs.shape[0] == 1  # one row for the whole batch: b is no index into it
+
+    def at(t, b, i):
+        return t[0][i] if one_row else t[b, i]
 
     def mask_mod(b, h, q, kv):
-        same = row[q] == row[kv] if row is not None else docs[b, q] == docs[b, kv]
-        keep = same & (q >= kv)
-        if window is not None:
-            keep = keep & (kv > q - window)
+        keep = at(docs, b, q) == at(docs, b, kv)
+        if positions is not None:  # a continued document also sees the shared prompt before it
+            keep = keep | ((at(docs, b, q) == at(docs, b, kv) + 1) & (at(positions, b, kv) < at(starts, b, q)))
+        keep = keep & (q >= kv)
+        if window is not None:  # in positions: a continued document's distance to its prompt is not the row's
+            keep = keep & ((at(positions, b, kv) > at(positions, b, q) - window) if positions is not None
+                           else (kv > q - window))
         return keep
 
     return mask_mod
@@ -123,17 +145,24 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         else:
             out = _flex()(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=gqa)
     else:
-        docs = _docs(position_ids, length, query.device)
-        mask = dense_mask(document_mask(docs, sliding_window), docs.shape[0], length, query.device)
+        docs, positions, starts = _layout(position_ids, length, query.device)
+        mask = dense_mask(document_mask(docs, sliding_window, positions, starts), docs.shape[0], length, query.device)
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                                                enable_gqa=gqa)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _docs(position_ids: torch.Tensor | None, length: int, device: torch.device) -> torch.Tensor:
+def _layout(position_ids: torch.Tensor | None, length: int, device: torch.device
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(document ids, positions, document starts) of the rows; positions and starts are None where no document
+    continues a shared prompt (every start is 0), so the mask is the plain document mask."""
     if position_ids is None:
-        return torch.zeros(1, length, dtype=torch.long, device=device)
-    return document_ids(position_ids.to(device).view(-1, length))
+        return torch.zeros(1, length, dtype=torch.long, device=device), None, None
+    positions = position_ids.to(device).view(-1, length)
+    starts = document_starts(positions)
+    if not torch.compiler.is_compiling() and not bool(starts.any()):  # a host sync, once per forward on CUDA
+        return document_ids(positions), None, None
+    return document_ids(positions), positions, starts
 
 
 # --- CUDA: compiled FlexAttention, one block mask per forward ---------------------------------------------------------
@@ -211,12 +240,12 @@ def _block_mask(position_ids: torch.Tensor | None, length: int, device: torch.de
         if (c.length, c.device, c.window) == (length, device, window) and _same_positions(
                 c.position_ids, c.version, position_ids):
             return c.block_mask
-    docs = _docs(position_ids, length, device)
+    docs, positions, starts = _layout(position_ids, length, device)
     if not torch.compiler.is_compiling() and plain_causal(docs, window, length):  # one host sync per forward
         block_mask = CAUSAL
     else:
-        block_mask = _create_block_mask()(document_mask(docs, window), docs.shape[0], None, length, length,
-                                          device=device)
+        block_mask = _create_block_mask()(document_mask(docs, window, positions, starts), docs.shape[0], None,
+                                          length, length, device=device)
     if not torch.compiler.is_compiling():
         version = position_ids._version if position_ids is not None else 0
         _CACHE[:] = [_Cached(position_ids, version, length, device, window, block_mask)]

@@ -110,6 +110,36 @@ def test_flex_attention_over_the_block_mask_equals_the_dense_path():
     torch.testing.assert_close(flex.transpose(1, 2), ours, atol=1e-6, rtol=0)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("window", [3, None])
+def test_a_continued_document_sees_the_shared_prompt_on_both_paths(window):
+    """A document starting at position p > 0 (a pair's rejected response after the prompt it shares with the chosen
+    one) sees the first p tokens of the document before it, not the rest, and the window counts positions: the dense
+    path (CPU) and FlexAttention over the block mask (the CUDA path) alike, and each query's output is what a row
+    holding only the prompt and that document gives."""
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+
+    positions = torch.tensor([[*range(7), *range(3, 8), *range(4)]])  # prompt 0-2 + chosen 3-6, rejected 3-7, pad
+    docs, starts = attention.document_ids(positions), attention.document_starts(positions)
+    assert starts.tolist() == [[0] * 7 + [3] * 5 + [0] * 4]
+    mask_mod = attention.document_mask(docs, window, positions, starts)
+    dense = attention.dense_mask(mask_mod, 1, 16, torch.device("cpu"))
+    assert torch.equal(create_mask(mask_mod, 1, 1, 16, 16, device="cpu"), dense)
+    seen = dense[0, 0, 9].nonzero().flatten().tolist()  # the rejected response's third token (position 5)
+    assert seen == ([0, 1, 2, 7, 8, 9] if window is None else [7, 8, 9])
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g) for _ in range(3))
+    with torch.no_grad():
+        ours = attention.attention(None, q, k, v, None, position_ids=positions, scaling=0.3, sliding_window=window)[0]
+        flex = flex_attention(q, k, v, block_mask=create_block_mask(mask_mod, 1, None, 16, 16, device="cpu"),
+                              scale=0.3)
+        alone_index = [0, 1, 2, 7, 8, 9, 10, 11]  # the prompt, then the rejected response: one plain document
+        alone = attention.attention(None, q[:, :, alone_index], k[:, :, alone_index], v[:, :, alone_index], None,
+                                    position_ids=torch.arange(8)[None], scaling=0.3, sliding_window=window)[0]
+    torch.testing.assert_close(flex.transpose(1, 2), ours, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours[:, 7:12], alone[:, 3:], atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("window", [WINDOW, None])
 def test_model_logits_and_every_parameter_gradient_equal_sdpa(window):
     sdpa, flex = _pair(window)

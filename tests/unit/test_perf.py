@@ -32,7 +32,7 @@ from finetune.perf.tiled_mlp import tiled_forward
 from tests.helpers import ROOT, TINY_RECIPE
 
 STAGE2_FP32 = {"bf16": {"enabled": False}, "zero_optimization": {"stage": 2}}
-MODEL_NAMES = [s.name for s in perf.SPEEDUPS if not s.engine]
+MODEL_NAMES = [s.name for s in perf.SPEEDUPS if not s.engine and not s.data]
 ALL_ON = ["model.kernels=liger", "lora.enabled=true", "lora.fused=true", "lora.dropout=0.1",
           "lora.dropout_kernel=triton", "model.fused_mlp=true", "model.fused_loss=true", "model.attn_implementation=flex"]
 ALL_ON.append("model.tiled_mlp='on'")  # quoted: YAML reads a bare on/off as a boolean
@@ -149,7 +149,7 @@ def _assert_same(before: dict, after: dict) -> None:
 
 def test_the_table_lists_every_switch_with_its_off_value():
     assert len(set(perf.NAMES)) == len(perf.NAMES)
-    hints = {section: typing.get_type_hints(type(getattr(Recipe(), section))) for section in ("model", "lora", "optim")}
+    hints = {section: typing.get_type_hints(type(getattr(Recipe(), section))) for section in ("model", "lora", "optim", "train")}
     for s in perf.SPEEDUPS:
         section, key = s.switch.split(".")
         hint = hints[section][key]
@@ -224,7 +224,7 @@ def test_report_lists_every_speed_up_with_its_switch(model_dir):
     assert all(set(r) == {"name", "switch", "on"} for r in records)
     assert {r["switch"] for r in records} == {"model.kernels", "lora.fused", "lora.dropout_kernel", "model.fused_mlp",
                                               "model.tiled_mlp", "model.fused_loss", "model.attn_implementation",
-                                              "optim.overflow_check"}
+                                              "train.share_prompt", "optim.overflow_check"}
     assert [r["name"] for r in records if r["on"]] == ["fused_mlp", "overflow_check"]
     assert not any(r["on"] for r in perf.report(recipe, []))
     with pytest.raises(ValueError, match="unknown speed-up"):

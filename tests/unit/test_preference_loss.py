@@ -419,3 +419,66 @@ def test_every_objective_on_packed_pairs_matches_scoring_each_sequence_alone(obj
              rejected_count=counts[1::2], ref_chosen=reference[0::2], ref_rejected=reference[1::2])
     want = _paper(objective, {k: v.double() for k, v in p.items()}, beta, gamma, 0.0)[0].sum()
     torch.testing.assert_close(loss.double(), want, **TOL)
+
+
+# ---- shared prompts: each pair's prompt once per row ----------------------------------------------------------------
+
+def _stored(samples, extra: int = 0) -> TokenizedData:
+    """The samples as the tokenized data holds them (labels -100 on the prompt), paired."""
+    rows = [(ids.tolist(), [-100] * prompt_len + ids[prompt_len:].tolist()) for ids, prompt_len in samples]
+    return TokenizedData.from_samples(rows, paired=True)
+
+
+@pytest.mark.parametrize("window", [None, 6], ids=["no-window", "window-6"])
+def test_shared_prompts_score_each_sequence_as_alone(window):
+    """Pairs laid out with one copy of their prompt (data.with_shared_prompts, loader.collate, zerotune's attention's
+    continued documents) give every sequence the log-prob it has alone, and the DPO loss and LoRA gradients of scoring
+    each sequence alone, also with a sliding window shorter than a sequence (counted in positions)."""
+    from finetune.perf import attention
+
+    beta = 0.3
+    recipe = load_recipe("tiny", ["lora.enabled=true", "train.objective=dpo", f"train.beta={beta}",
+                                  "train.reference=adapters_off"])
+    base = _tiny_mistral(seed=3)
+    base.config.sliding_window = window
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=16, lora_dropout=0.0, init_lora_weights=False,
+                                            target_modules=["q_proj", "v_proj", "down_proj"]))
+    _, samples = _pairs_batch(seed=3)
+    data = _stored(samples).with_shared_prompts()
+    assert data.prefix.tolist() == [4, 7]  # the prompts, exactly
+    mb = collate([[0, 1, 2, 3]], data, pad_id=0)
+    whole = collate([[0, 1, 2, 3]], _stored(samples), pad_id=0)
+    assert mb["input_ids"].shape[1] == whole["input_ids"].shape[1] - 11  # each prompt once
+    assert mb["branch_targets"].tolist() == [[0, 3, int(samples[1][0][4]), 1], [0, 25, int(samples[3][0][7]), 3]]
+    assert mb["position_ids"][0, 10:15].tolist() == [4, 5, 6, 7, 8]  # the rejected rest continues the prompt
+
+    attention.install(model)
+    loss, stats = PreferenceLoss(recipe)(_Engine(model), mb, torch.device("cpu"))
+    lora = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, lora)
+
+    attention.name_attention(model, "sdpa")  # the oracle: transformers' own attention, one sequence at a time
+    policy = _alone(model, samples)
+    with torch.no_grad(), model.disable_adapter():
+        reference = _alone(model, samples)
+    want = _dpo(policy, reference, beta)
+    torch.testing.assert_close(loss, want.detach(), **TOL)
+    for got, expected in zip(grads, torch.autograd.grad(want, lora)):  # 1e-5 of the largest (|g| up to ~15 here)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    torch.testing.assert_close(stats[3:], torch.stack([policy[0::2].sum(), policy[1::2].sum()]).detach(), **TOL)
+
+
+def test_shared_prefix_stops_at_the_first_difference_or_target():
+    """The shared prefix is the common prompt: it ends where the ids differ, or at the first target of either
+    sequence even when the responses begin alike (a shared target would be scored once for two sequences)."""
+    stored = TokenizedData.from_samples([
+        ([1, 5, 6, 7, 9, 9], [-100, -100, -100, -100, 9, 9]),   # pair 0: prompt 1 5 6 7, responses start alike
+        ([1, 5, 6, 7, 9, 8], [-100, -100, -100, -100, 9, 8]),
+        ([1, 5, 3, 7, 2], [-100, -100, -100, 7, 2]),            # pair 1: the prompts differ at index 2
+        ([1, 5, 6, 7, 4], [-100, -100, -100, -100, 4]),
+    ], paired=True)
+    data = stored.with_shared_prompts()
+    assert data.prefix.tolist() == [4, 2]
+    assert data.row_lengths.tolist() == [6, 2, 5, 3]
+    with pytest.raises(ValueError, match="only preference pairs"):
+        TokenizedData.from_samples([([1, 2], [-100, 2])]).with_shared_prompts()

@@ -22,6 +22,8 @@ PAD = 0
 def _batch(lengths_per_row: list[list[int]]) -> dict[str, torch.Tensor]:
     """A collated micro-batch of made-up samples (token ids 10.., every token a target but each sample's last)."""
     class Data:
+        prefix = None  # no shared prompts
+
         def sample(self, i):
             ids = torch.arange(10 + i, 10 + i + sizes[i]).numpy()
             return ids, ids.copy()
