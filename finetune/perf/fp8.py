@@ -1,0 +1,117 @@
+"""FP8 GEMMs for LoRA's frozen base weight: W kept as float8_e4m3fn with one fp32 scale per output row.
+
+    w_q, w_scale = quantize_weight(layer.weight)                   # once, at load time
+    y = Fp8BaseLinearFunction.apply(x, w_q, w_scale, layer.bias)   # x·Wᵀ (+ bias); backward gives x its gradient
+
+The base GEMM of the forward (x·Wᵀ) and of the input gradient (grad_y·W) run in FP8; the adapters stay in the
+activations' dtype. x and grad_y are quantized per token and W per output row, each scale spanning the dimension
+its GEMM reduces, so one outlier costs the precision of its own row only. W gets no gradient, so x is not kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max  # 448: the largest finite e4m3fn value (it has no inf)
+# The smallest row amax a scale is built from: an all-zero row gets a finite scale and quantizes to zeros.
+_AMAX_FLOOR = 1e-12
+
+
+def quantize_rows(t: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise e4m3 quantization over the last dim: (q, scale) with t ≈ q·scale, computed in fp32. With col_scale
+    (fp32, [1, cols]) it quantizes t·diag(col_scale), each column times its factor: inside the quantizer, so that a
+    torch.compile of it fuses the product into the same kernels.
+
+    scale = amax(|row|)/448, shape [..., 1], fp32, so each row's largest element maps to e4m3's largest finite value.
+    e4m3 keeps 3 mantissa bits, so rounding moves an element by at most 2^-4 of its magnitude (half a unit in the last
+    place), or by scale·2^-10 where t/scale falls among the subnormals (below 2^-6): |q·scale - t| <= 2^-4·amax.
+    """
+    t = t.float() if col_scale is None else t.float() * col_scale
+    scale = t.abs().amax(dim=-1, keepdim=True).clamp(min=_AMAX_FLOOR) / E4M3_MAX
+    # t/scale can round a hair past 448 in fp32, and e4m3fn turns what lies past its range into NaN: clamp first.
+    q = (t / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, scale
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A frozen [out, in] weight as (w_q [out, in] e4m3, w_scale [out, 1] fp32): one scale per output row, the rows
+    that the forward's GEMM reduces over `in`. Done once at load time, under no_grad (the weight is never trained)."""
+    with torch.no_grad():
+        w_q, w_scale = quantize_rows(weight.detach())
+    return w_q.contiguous(), w_scale  # contiguous: scaled_matmul reads w_q as a row-major [N, K]
+
+
+def _dequantized_matmul(a_q, a_scale, b_q, b_scale, out_dtype: torch.dtype) -> torch.Tensor:
+    """The reference: (a_q·a_scale) @ (b_q·b_scale)ᵀ in fp32, rounded once to out_dtype. Widening e4m3 to fp32 is
+    exact, so the operands differ from the exact dequantized values by one fp32 rounding (of the product with the
+    scale), and the GEMM accumulates in fp32."""
+    return ((a_q.float() * a_scale) @ (b_q.float() * b_scale).t()).to(out_dtype)
+
+
+def _scaled_mm(a_q, a_scale, b_q, b_scale, out_dtype: torch.dtype) -> torch.Tensor:
+    """torch._scaled_mm with row-wise scales: a_q row-major [M, K] with scale [M, 1]; mat2 column-major [K, N], which
+    b_q.t() of a contiguous [N, K] is, with scale [1, N]. cuBLAS and CUTLASS take K and N in multiples of 16."""
+    return torch._scaled_mm(a_q, b_q.t(), scale_a=a_scale, scale_b=b_scale.t(), out_dtype=out_dtype)
+
+
+def fp8_gemm_runs(device: torch.device, out_dtype: torch.dtype) -> bool:
+    """Whether this device has an FP8 tensor-core GEMM with row-wise scales for out_dtype.
+
+    FP8 tensor cores start at compute capability 8.9 (Ada, Hopper). Row-wise scaling has a bf16 output on every such
+    GPU, and fp32 only through cuBLAS on 9.0 with CUDA 12.9+: bf16 (the training dtype) takes the kernel, any other
+    out_dtype the reference (an fp32 run is there for exactness). The CPU takes the reference too: it has no FP8
+    arithmetic, torch's CPU _scaled_mm gives the reference's result at no gain, and the reference stays the one CPU
+    path that tests compare against (tests/unit/test_fp8.py checks torch's CPU _scaled_mm against it, which also
+    checks the operand layout the CUDA call is given).
+    """
+    return (device.type == "cuda" and out_dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+def scaled_matmul(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """(a_q·a_scale) @ (b_q·b_scale)ᵀ in out_dtype, for a_q [M, K] and b_q [N, K] e4m3 (both contiguous) with fp32
+    row scales a_scale [M, 1] and b_scale [N, 1]: FP8 tensor cores where they run, the fp32 reference elsewhere."""
+    if fp8_gemm_runs(a_q.device, out_dtype):
+        return _scaled_mm(a_q, a_scale, b_q, b_scale, out_dtype)
+    return _dequantized_matmul(a_q, a_scale, b_q, b_scale, out_dtype)
+
+
+class Fp8BaseLinearFunction(torch.autograd.Function):
+    """y = x·Wᵀ (+ bias) for a frozen W = diag(w_scale)·w_q; x of any leading dims, bf16 or fp32, y in x's dtype.
+
+    Gradients: x's, and bias's when it requires one; w_q and w_scale get none. `quantize` is the row-wise quantizer
+    both directions use: quantize_rows, or a torch.compile of it (the same function, fused into fewer kernels).
+    """
+
+    @staticmethod
+    def forward(ctx, x, w_q, w_scale, bias=None, quantize=quantize_rows):
+        x2 = x.reshape(-1, x.shape[-1])
+        x_q, x_scale = quantize(x2)
+        y = scaled_matmul(x_q, x_scale, w_q, w_scale, x.dtype)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        # Kept: the weight (held by its layer anyway) and x's shape. Not x: only W's gradient would read it.
+        ctx.save_for_backward(w_q, w_scale)
+        ctx.x_shape, ctx.quantize = x.shape, quantize
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.reshape(*x.shape[:-1], w_q.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        w_q, w_scale = ctx.saved_tensors
+        g = grad_y.reshape(-1, grad_y.shape[-1])
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            # grad_x = grad_y·W with W = diag(s)·W_q, so grad_y·W = (grad_y·diag(s))·W_q: column j of grad_y times
+            # s[j]. The fold is needed, not only allowed: this GEMM reduces over `out`, and a row-wise scaled GEMM
+            # takes scales along M and N only, never along K. Folded, grad_y·diag(s) is quantized row-wise (per
+            # token) and W_q, now [in, out] (K = out), takes unit scales.
+            g_q, g_scale = ctx.quantize(g, w_scale.t())
+            w_t = w_q.t().contiguous()  # the FP8 GEMM reads mat2 column-major: one copy of the 1-byte weight
+            ones = torch.ones(w_t.shape[0], 1, dtype=torch.float32, device=w_t.device)
+            grad_x = scaled_matmul(g_q, g_scale, w_t, ones, grad_y.dtype).reshape(ctx.x_shape)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
+            grad_bias = g.sum(0).to(ctx.bias_dtype)
+        return grad_x, None, None, grad_bias, None
