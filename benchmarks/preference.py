@@ -8,8 +8,9 @@ recipes/mistral7b_shape, no weights), the same synthetic preference pairs, LoRA 
 The runs, each its own `deepspeed --num_gpus 1` launch (loopback rendezvous), in this order:
 
 - lora_zero2 / zerotune: `finetune/main.py --deepspeed ds_configs/zero2.json --config recipes/mistral7b_dpo.yaml`
-  with rows of data.max_seq_len 4,096 tokens (a packed row holds whole pairs); the reference is the model with its
-  adapters off. Nothing else is set beyond the work (data, steps) and quiet outputs (no export, no checkpoint).
+  with rows of data.max_seq_len 4,096 tokens (a packed row holds whole pairs, each pair's prompt once where
+  train.share_prompt is on: its default on a GPU); the reference is the model with its adapters off. Nothing else
+  is set beyond the work (data, steps) and quiet outputs (no export, no checkpoint).
 - lora_zero2 / trl: DPOTrainer with `peft_config` (the reference is the model with its adapters off, TRL's default
   for a PEFT model), ZeRO-2, bf16, liger's layer kernels, one pair batch per step; the first of PEER_SETTINGS that
   runs is kept (the largest batch, without activation checkpointing first). TRL pads each batch to its longest
