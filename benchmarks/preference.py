@@ -135,13 +135,15 @@ def _ran_out(code: int, tail: str) -> str:
     return f"exit {code}"
 
 
-def run_zerotune(key: tuple[str, str], ds: str, sets: list[str], steps: int, skip: int, timeout: int,
-                 a: argparse.Namespace) -> dict:
-    """One zerotune run (recipes/mistral7b_dpo.yaml and `sets`) of `steps` steps; pairs/s, tok/s and the peak from
-    its metrics.jsonl, the steps after `skip`."""
+def run_zerotune(key: tuple[str, str], folder: str, pairs: str, ds: str, sets: list[str], steps: int, skip: int,
+                 timeout: int, a: argparse.Namespace) -> dict:
+    """One zerotune run (recipes/mistral7b_dpo.yaml and `sets`) of `steps` steps on the pairs named `pairs` ("lora"
+    or "full"), in the work folder's `folder`; pairs/s, tok/s and the peak from its metrics.jsonl, the steps after
+    `skip`."""
     config, system = key
-    out = os.path.join(a.workdir, f"{system.split(',')[0]}_{config}" + ("_precomputed" if key == LORA_PRE_KEY else ""))
+    out = os.path.join(a.workdir, folder)
     script = ["finetune/main.py", "--deepspeed", ds, "--config", "recipes/mistral7b_dpo.yaml",
+              f"data.path={a.pair_files[pairs]}",
               f"model.path={a.model}", "model.tokenizer=mistral-common", f"data.max_seq_len={a.max_seq_len}",
               f"train.max_steps={steps}", "optim.warmup_steps=2", f"train.output_dir={out}", "train.overwrite=true",
               "train.export=false", "train.save_every=0", "train.eval_every=0", "train.log_every=1",
@@ -157,8 +159,7 @@ def run_zerotune(key: tuple[str, str], ds: str, sets: list[str], steps: int, ski
     seconds = sum(r["step_time_s"] for r in timed)
     pairs_per_s = sum(r["pairs"] for r in timed) / seconds
     # tok/s as TRL's is counted: both sequences of each pair whole (the prompt twice), whatever the rows hold
-    pair_tokens = a.pair_tokens["full" if key == FULL_KEY else "lora"]
-    return {**result, "pairs_per_s": pairs_per_s, "tokens_per_s": pairs_per_s * pair_tokens,
+    return {**result, "pairs_per_s": pairs_per_s, "tokens_per_s": pairs_per_s * a.pair_tokens[pairs],
             "row_tokens_per_s": sum(r["tokens"] for r in timed) / seconds, "step_time_s": seconds / len(timed),
             "pairs_per_step": sum(r["pairs"] for r in timed) / len(timed),
             "peak_mem_gib": max(r["peak_mem_gib"] for r in steps_done), "losses": [r["loss"] for r in steps_done],
@@ -410,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     full_data = os.path.join(a.workdir, "pairs_full.jsonl")
     data = {"lora": write_pairs(a.data, a.pairs, a.prompt_tokens, a.response_tokens),
             "full": write_pairs(full_data, a.full_pairs, a.prompt_tokens, a.response_tokens, seed=1)}
-    a.pair_tokens = {k: v["pair_tokens_mean"] for k, v in data.items()}
+    a.pair_files = {"lora": a.data, "full": full_data}
+    a.pair_tokens = {name: lengths["pair_tokens_mean"] for name, lengths in data.items()}
     print(f"pairs: {json.dumps(data)}", flush=True)
     results: list[dict] = []
 
@@ -436,15 +438,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--budget {a.budget:g} s spent: {run} not started", flush=True)
             break
         if run == "lora":
-            report(run_zerotune(LORA_KEY, lora_ds, [f"data.path={a.data}"], a.steps, a.skip, timeout(), a))
+            report(run_zerotune(LORA_KEY, "zerotune_lora_zero2", "lora", lora_ds, [], a.steps, a.skip, timeout(), a))
         elif run == "lora_pre":
-            report(run_zerotune(LORA_PRE_KEY, lora_ds, [f"data.path={a.data}", "train.reference=precomputed"],
-                                a.steps, a.skip, timeout(), a))
+            report(run_zerotune(LORA_PRE_KEY, "zerotune_lora_zero2_precomputed", "lora", lora_ds,
+                                ["train.reference=precomputed"], a.steps, a.skip, timeout(), a))
         elif run == "peer":
             for r in run_peer(a, deadline):
                 report(r)
         else:
-            report(run_zerotune(FULL_KEY, full_ds, [f"data.path={full_data}", "lora.enabled=false", *full_sets],
+            report(run_zerotune(FULL_KEY, "zerotune_full_zero3", "full", full_ds, ["lora.enabled=false", *full_sets],
                                 a.full_steps, a.full_skip, timeout(), a))
     save()
     print(table(results), flush=True)

@@ -144,18 +144,18 @@ def collate(rows: list[list[int] | None], data: TokenizedData, pad_id: int) -> d
     """
     ids_rows, pos_rows, tgt_rows, index_rows, lengths, sample_ids, branches = [], [], [], [], [], [], []
     for b, row in enumerate(rows):
-        ids, pos, tgt, index, at = [], [], [], [], 0
+        ids, pos, tgt, index, at, previous_at = [], [], [], [], 0, 0
         for i in row or []:
             s_ids, s_labels = data.sample(i)
             start = int(data.prefix[i // 2]) if data.prefix is not None and i % 2 else 0
-            if start and s_labels[start] != IGNORE:  # the chosen copy's position start-1 predicts it
-                branches.append((b, at - lengths[-1] + start - 1, int(s_labels[start]), len(sample_ids)))
+            if start and s_labels[start] != IGNORE:  # predicted at the chosen copy's (the previous sample's) start-1
+                branches.append((b, previous_at + start - 1, int(s_labels[start]), len(sample_ids)))
             ids.append(s_ids[start:])
             pos.append(np.arange(start, len(s_ids)))
             tgt.append(np.append(s_labels[start + 1:], IGNORE))
             index.append(np.full(len(s_ids) - start, len(sample_ids)))
             lengths.append(len(s_ids) - start)
-            at += len(s_ids) - start
+            previous_at, at = at, at + len(s_ids) - start
             sample_ids.append(i)
         if not ids:  # an empty row: one pad token that trains nothing
             ids, pos, tgt, index = [np.array([pad_id])], [np.array([0])], [np.array([IGNORE])], [np.array([-1])]

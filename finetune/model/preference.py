@@ -44,9 +44,8 @@ def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, sample_index: to
     sample_index [rows, width]: which sample (0..n_samples-1) each position belongs to, -1 on padding;
     branch_targets [n, 4] (row, position, token, sample): second targets at positions whose own target belongs to
     another sample (a shared prompt's last position predicts both responses' first tokens: loader.collate)."""
-    vocab = logits.shape[-1]
-    token_logps = -F.cross_entropy(logits.reshape(-1, vocab).float(), targets.reshape(-1), ignore_index=-100,
-                                   reduction="none")
+    token_logps = -F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                                   ignore_index=-100, reduction="none")
     index = sample_index.reshape(-1)
     on = (targets.reshape(-1) != -100) & (index >= 0)
     where = index.clamp(min=0)
@@ -60,6 +59,12 @@ def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, sample_index: to
         sums = sums.index_add(0, sample, extra)
         counts = counts.index_add(0, sample, torch.ones_like(extra))
     return sums, counts
+
+
+def micro_batch_logps(logits: torch.Tensor, mb, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """sequence_logps of a collated micro-batch (finetune/data/loader.py collate) from its logits."""
+    return sequence_logps(logits, mb["targets"].to(device), mb["sample_index"].to(device), len(mb["sample_ids"]),
+                          mb.get("branch_targets"))
 
 
 @dataclass
@@ -152,10 +157,8 @@ class PreferenceLoss:
     def __call__(self, engine, mb, device, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of the pairs' losses, [len(STATS)] sums), both fp32 on the device; the loss carries the graph."""
         inputs = {"input_ids": mb["input_ids"].to(device), "position_ids": mb["position_ids"].to(device)}
-        targets, index, branches = mb["targets"].to(device), mb["sample_index"].to(device), mb.get("branch_targets")
-        n = len(mb["sample_ids"])
-        logps, counts = sequence_logps(engine(**inputs).logits, targets, index, n, branches)
-        ref = self._reference(engine, inputs, targets, index, branches, mb, device, split)
+        logps, counts = micro_batch_logps(engine(**inputs).logits, mb, device)
+        ref = self._reference(engine, inputs, mb, device, split)
         terms = pair_losses(self.objective, logps[0::2], logps[1::2], counts[0::2], counts[1::2],
                             ref[0::2] if ref is not None else None, ref[1::2] if ref is not None else None,
                             beta=self.beta, gamma=self.gamma)
@@ -164,14 +167,14 @@ class PreferenceLoss:
                              terms.chosen_logps.sum(), terms.rejected_logps.sum()])
         return terms.loss.sum(), stats
 
-    def _reference(self, engine, inputs, targets, index, branches, mb, device, split: str) -> torch.Tensor | None:
+    def _reference(self, engine, inputs, mb, device, split: str) -> torch.Tensor | None:
         if self.reference is None:
             return None
         if self.reference == "precomputed":
             return self.precomputed[split][mb["sample_ids"]].to(device=device, dtype=torch.float32)
         with torch.no_grad(), adapters_off(engine.module):
             # the module itself, not the engine: one forward without gradients is no step of the engine's
-            return sequence_logps(engine.module(**inputs).logits, targets, index, len(mb["sample_ids"]), branches)[0]
+            return micro_batch_logps(engine.module(**inputs).logits, mb, device)[0]
 
 
 def precompute_reference(engine, n_samples: int, micro_batches) -> torch.Tensor:
@@ -188,9 +191,7 @@ def precompute_reference(engine, n_samples: int, micro_batches) -> torch.Tensor:
                 continue
             logits = engine.module(input_ids=mb["input_ids"].to(device),
                                    position_ids=mb["position_ids"].to(device)).logits
-            sums = sequence_logps(logits, mb["targets"].to(device), mb["sample_index"].to(device),
-                                  len(mb["sample_ids"]), mb.get("branch_targets"))[0]
-            out[mb["sample_ids"]] = sums.double().cpu()
+            out[mb["sample_ids"]] = micro_batch_logps(logits, mb, device)[0].double().cpu()
     engine.train()
     return dist.all_reduce_sum(out)  # each sample was scored by one rank; the others hold 0 there
 

@@ -10,10 +10,11 @@ the keys of its own document, causally, and, with a sliding window W, those with
 included: masking_utils.sliding_window_overlay). One addition, which transformers' own attention does not make: a
 document that starts at position p > 0 continues the first p tokens of the document before it (a preference pair's
 rejected response after the prompt it shares with the chosen one, laid out once: finetune/data/loader.py), so its
-queries also see those keys, and the window counts positions. One mask function (`document_mask`) is evaluated on both devices:
-by FlexAttention's block mask on CUDA, and as a dense boolean mask for scaled_dot_product_attention elsewhere
-(FlexAttention has no CPU backward), so the CPU tests check the CUDA path's mask logic. Where that mask is plain
-causal (one document per row, no window inside it), the CUDA path runs SDPA's causal kernel instead (`plain_causal`).
+queries also see those keys, and the window counts positions. One mask function (`document_mask`) is evaluated on
+both devices: by FlexAttention's block mask on CUDA, and as a dense boolean mask for scaled_dot_product_attention
+elsewhere (FlexAttention has no CPU backward), so the CPU tests check the CUDA path's mask logic. Where that mask is
+plain causal (one document per row, no window inside it), the CUDA path runs SDPA's causal kernel instead
+(`plain_causal`).
 
 How it is installed: transformers' Mistral attention looks its function up by config._attn_implementation at forward
 time, and the model builds its mask through AttentionMaskInterface under the same key. KEY is added to both
@@ -63,19 +64,23 @@ def resolve(name: str, device_type: str) -> str:
 
 # --- the mask ---------------------------------------------------------------------------------------------------------
 
+def _document_breaks(position_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] True where a document begins: a position that is not its predecessor's plus one."""
+    return torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1
+
+
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     """[b, s] position_ids -> [b, s] document index per token: a new one wherever a position is not its predecessor's
     plus one (transformers' find_packed_sequence_indices, without its shortcut for unpacked rows)."""
-    first = position_ids[:, :1] - 1
-    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    return _document_breaks(position_ids).cumsum(-1)
 
 
 def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
     """[b, s] position_ids -> [b, s] the position each token's document starts at: 0, except for a document that
     continues a shared prompt (a preference pair's rejected sequence after its chosen one: loader.collate)."""
     index = torch.arange(position_ids.shape[-1], device=position_ids.device).expand_as(position_ids)
-    new = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1
-    first = torch.cummax(torch.where(new, index, torch.zeros_like(index)), dim=-1).values
+    breaks = _document_breaks(position_ids)
+    first = torch.cummax(torch.where(breaks, index, torch.zeros_like(index)), dim=-1).values  # its first token
     return position_ids - (index - first)
 
 

@@ -423,7 +423,7 @@ def test_every_objective_on_packed_pairs_matches_scoring_each_sequence_alone(obj
 
 # ---- shared prompts: each pair's prompt once per row ----------------------------------------------------------------
 
-def _stored(samples, extra: int = 0) -> TokenizedData:
+def _stored(samples) -> TokenizedData:
     """The samples as the tokenized data holds them (labels -100 on the prompt), paired."""
     rows = [(ids.tolist(), [-100] * prompt_len + ids[prompt_len:].tolist()) for ids, prompt_len in samples]
     return TokenizedData.from_samples(rows, paired=True)
