@@ -61,6 +61,10 @@ class ModelConfig:
     kernels: Literal["auto", "liger", "none"] = "auto"
     """Fused Triton kernels for RMSNorm, SwiGLU and RoPE: `liger` (liger-kernel, CUDA), `auto` = liger when it is
     installed and the run is on CUDA, `none` = transformers' own modules."""
+    precision: Literal["auto", "bf16", "fp8"] = "auto"
+    """The linear layers' GEMMs: `fp8` = LoRA's frozen base in float8 (half its memory under ZeRO-0/1/2), or torchao's
+    float8 training for full fine-tuning (finetune/perf/precision.py); `auto` = fp8 on FP8 GPUs where its quality
+    gate passed (docs/performance.md), else bf16."""
 
 
 @dataclass
@@ -149,9 +153,8 @@ class TrainConfig:
     keep_last: int = 2
     """Complete checkpoints kept; older ones are removed only after a newer one is complete (0 = keep all)."""
     portable_checkpoints: bool = True
-    """Also write each checkpoint's trained weights (fp32) and Adam moments by parameter name (its portable/ folder),
-    so that it resumes on another number of GPUs or another ZeRO stage. false saves that space (12 bytes per trained
-    parameter); such a checkpoint resumes on the layout it was saved with (ZeRO-1/2 also on another GPU count)."""
+    """Also write each checkpoint's trained weights (fp32) and Adam moments by name (portable/), to resume on another
+    GPU count or ZeRO stage; false saves 12 bytes per trained parameter, and resumes on the saved layout only."""
     resume: str | None = None
     """`auto` = the newest complete checkpoint in output_dir (start fresh if none), or a checkpoint / run folder path."""
     stop_at: int = 0
@@ -179,7 +182,7 @@ class TrainConfig:
     nvme_path: str | None = None
     """Folder on a local NVMe disk for ds_configs/zero3_nvme.json (its nvme_path "auto")."""
     wandb_project: str = "zerotune"
-    """W&B project of the run when `wandb` is in log_to (WANDB_MODE=offline writes it locally, no network)."""
+    """W&B project when `wandb` is in log_to (WANDB_MODE=offline writes it locally)."""
     objective: Literal["sft", "dpo", "ipo", "orpo", "simpo"] = "sft"
     """`sft`: the next-token loss on the targets. `dpo`, `ipo`, `orpo`, `simpo`: a preference objective on pairs of
     data.format preference (docs/preference.md)."""
@@ -296,8 +299,7 @@ def _with_shipped_paths(recipe: Recipe) -> Recipe:
     return recipe
 
 
-def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
-    return dataclasses.asdict(recipe)
+recipe_to_dict = dataclasses.asdict
 
 
 def sections() -> dict[str, list[str]]:

@@ -100,6 +100,10 @@ class _ShardWriter:
 
 def export_module(module, out: str, tokenizer, lora: bool, merge: bool = False, dtype: torch.dtype | None = None) -> str:
     """Write `out` from a (possibly ZeRO-3 partitioned) model; every rank must call this."""
+    if lora and merge and any("weight_fp8" in m._buffers for m in module.modules()):
+        # model.precision=fp8 kept only the base's FP8 copy (finetune/perf/precision.py): never merge into that
+        raise ConfigError(f"cannot write {out!r}: this model's LoRA base weights are held in FP8 only; merge from the "
+                          f"bf16 base instead: zerotune export RUN_FOLDER --out {out} --merge")
     tmp = f"{out}.tmp"
     if dist.is_main():
         shutil.rmtree(tmp, ignore_errors=True)

@@ -49,13 +49,16 @@ def _ceil_div(a: int, b: int) -> int:
 
 def estimate_model_states(config_dict: dict[str, Any], lora_cfg: Any, stage: int, world: int,
                           offload_optimizer: bool = False, offload_params: bool = False,
-                          dtype_bytes: int = 2, adapter_dtype_bytes: int | None = None) -> dict[str, int]:
+                          dtype_bytes: int = 2, adapter_dtype_bytes: int | None = None,
+                          fp8_base: bool = False) -> dict[str, int]:
     """Bytes per rank of weights, gradients and optimizer states on the GPU, and what offloading puts in CPU memory.
 
     dtype_bytes is the weights' width: 2 for bf16; 4 for fp32 (zerotune's ZeRO-0, whose bf16 is torch autocast).
     adapter_dtype_bytes is the LoRA adapters' width when it differs (fp32 under ZeRO-3, see adapter_bytes).
     Under ZeRO-1/2/3 DeepSpeed keeps a separate fp32 master partition even for fp32 weights (its ZeRO optimizers
     always build one); plain data parallelism (ZeRO-0) steps fp32 weights in place.
+    fp8_base (LoRA, model.precision=fp8, ZeRO-0/1/2): each adapted projection's frozen weight is kept as 1 byte per
+    element and one fp32 scale per output row instead of its bf16 copy (finetune/perf/precision.py).
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -70,6 +73,10 @@ def estimate_model_states(config_dict: dict[str, Any], lora_cfg: Any, stage: int
     trained_bytes = (adapter_dtype_bytes or dtype_bytes) if lora else dtype_bytes
     n = max(1, world)
     weights = dtype_bytes * frozen + trained_bytes * trained
+    if lora and fp8_base and stage < 3:
+        shapes, layers = linear_shapes(config_dict), dims(config_dict)[4]
+        targets = [shapes[t] for t in lora_settings(lora_cfg)["targets"]]
+        weights -= layers * sum((dtype_bytes - 1) * a * b - 4 * b for a, b in targets)
     params = _ceil_div(weights, n) if stage == 3 else weights
     grads = _ceil_div(trained_bytes * trained, n) if stage >= 2 else trained_bytes * trained
     master = 4 * trained if (stage >= 1 or trained_bytes < 4) else 0
@@ -106,6 +113,20 @@ def estimate_buffers(config_dict: dict[str, Any], ds: dict[str, Any], stage: int
     return buffers
 
 
+def fp8_buffers(config_dict: dict[str, Any], recipe, stage: int, fp8: bool) -> int:
+    """What FP8 GEMMs add while a layer computes: under LoRA ZeRO-3, the gathered layer's weights quantized (and one
+    projection's transposed copy in backward); under full fine-tuning, torchao's FP8 weight copies, kept for backward
+    by every layer whose activations are kept (all of them without checkpointing), and the computing layer's."""
+    if not fp8:
+        return 0
+    shapes, layers = linear_shapes(config_dict), dims(config_dict)[4]
+    layer = sum(a * b for n, (a, b) in shapes.items() if n != "lm_head")
+    if recipe.lora.enabled:
+        return 2 * layer if stage == 3 else 0
+    kept = {"none": layers, "selective": layers - (recipe.model.recompute_layers or layers // 2)}
+    return layer * (1 + kept.get(recipe.model.activation_checkpointing, 0))
+
+
 def precision_bytes(ds: dict[str, Any], stage: int) -> tuple[int, int, int]:
     """(weight, activation, LoRA adapter) bytes under a DeepSpeed JSON.
 
@@ -139,8 +160,11 @@ def estimate_run(model_config: dict[str, Any], recipe, ds: dict[str, Any], world
     offload_params = zero.get("offload_param", {}).get("device", "none") in ("cpu", "nvme")
     weight_bytes, act_bytes, adapter_bytes = precision_bytes(ds, stage)
     lora = recipe.lora if recipe.lora.enabled else None
+    from finetune.perf import precision  # lazy, as uses_liger's import
+
+    fp8 = precision.resolve(recipe.model.precision, lora is not None, weight_bytes == 2) == "fp8"
     states = estimate_model_states(model_config, lora, stage, world, offload_optimizer, offload_params, weight_bytes,
-                                   adapter_bytes)
+                                   adapter_bytes, fp8_base=fp8)
     m, seq_len = recipe.model, recipe.data.max_seq_len
     attn, sp = attention_kind(m.attn_implementation, cuda), sequence_parallel_degree(recipe)
     tiled = tiled_mlp_on(m.tiled_mlp, seq_len)
@@ -149,8 +173,8 @@ def estimate_run(model_config: dict[str, Any], recipe, ds: dict[str, Any], world
                                 # a preference objective keeps the whole logits (each token's log-prob; perf.apply)
                                 fused_loss=m.fused_loss and recipe.train.objective == "sft",
                                 liger=uses_liger(m.kernels), recompute_layers=m.recompute_layers,
-                                fused_mlp=m.fused_mlp, tiled_mlp=tiled, sequence_parallel=sp)
-    buffers = estimate_buffers(model_config, ds, stage, weight_bytes)
+                                fused_mlp=m.fused_mlp and not (fp8 and lora is None), tiled_mlp=tiled, sequence_parallel=sp)
+    buffers = estimate_buffers(model_config, ds, stage, weight_bytes) + fp8_buffers(model_config, recipe, stage, fp8)
     trained_bytes = adapter_bytes if lora is not None else weight_bytes
     step = step_gradients(states, stage, world, trained_bytes, offload_optimizer, zero.get("sub_group_size", 10**9))
     # Activations live in backward, the step's gradient copies after it: the peak is the larger of the two moments,

@@ -10,13 +10,15 @@ second model built in the same process (export, chat, a test) is transformers' o
 
 apply's order, and why:
   1. liger        RMSNorm, SwiGLU and RoPE kernels in the model's modules (the MLPs' forward included);
-  2. fused_lora   peft's LoRA layers swapped for the fused class (with lora_dropout_kernel: its Triton dropout);
-  3. fused_mlp    after LoRA, which decides whether down_proj is still a plain linear layer (an adapted one keeps its
+  2. fp8          the linear layers' precision (model.precision): LoRA's base layers swapped for FP8 ones, which
+                  the fused class then runs; for full fine-tuning torchao's Float8Linear, which fused_mlp leaves be;
+  3. fused_lora   peft's LoRA layers swapped for the fused class (with lora_dropout_kernel: its Triton dropout);
+  4. fused_mlp    after LoRA, which decides whether down_proj is still a plain linear layer (an adapted one keeps its
                   path); it replaces the MLP forward liger set, and uses liger's SwiGLU product when liger is on;
-  4. tiled_mlp    after the three above: it wraps whatever forward each MLP has by then (liger's, the fused one, with
+  5. tiled_mlp    after the four above: it wraps whatever forward each MLP has by then (liger's, the fused one, with
                   LoRA projections inside) and runs it a tile of tokens at a time;
-  5. fused_loss   the output layer; independent of the others.
-  6. flex_attention  the attention function the model's config names (attention.py); independent of the others
+  6. fused_loss   the output layer; independent of the others.
+  7. flex_attention  the attention function the model's config names (attention.py); independent of the others
                   (liger's attention forward looks the function up by that name too).
 """
 
@@ -26,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from finetune.config import ConfigError, Recipe
-from finetune.ds_config import zero_stage
-from finetune.perf import attention, liger, lora_dropout, tiled_mlp
+from finetune.ds_config import bf16_enabled, zero_stage
+from finetune.perf import attention, liger, lora_dropout, precision, tiled_mlp
 from finetune.perf.fused_lora import install_fused_lora
 from finetune.perf.fused_loss import install_fused_loss
 from finetune.perf.fused_mlp import install_fused_mlp
@@ -50,6 +52,8 @@ class SpeedUp:
 
 SPEEDUPS = (
     SpeedUp("liger", "model.kernels", "none", "liger-kernel's Triton RMSNorm, SwiGLU and RoPE (CUDA)"),
+    SpeedUp("fp8", "model.precision", "bf16",
+            "the linear layers' GEMMs in FP8: LoRA's frozen base weights, or torchao's float8 training (full)"),
     SpeedUp("fused_lora", "lora.fused", False,
             "each LoRA projection as one autograd function, base GEMM and adapter together"),
     SpeedUp("lora_dropout_kernel", "lora.dropout_kernel", "torch",
@@ -82,6 +86,9 @@ def apply(model, recipe: Recipe, ds_config: dict[str, Any]) -> list[str]:
     applied = []
     if m.kernels != "none" and liger.available() is None and liger.install(model):
         applied.append("liger")
+    if precision.resolve(m.precision, lora.enabled, bf16_enabled(ds_config)) == "fp8" and precision.install(
+            model, lora.enabled, stage):
+        applied.append("fp8")
     if lora.enabled and lora.fused and install_fused_lora(model, stage, lora.dropout_kernel):
         applied.append("fused_lora")
         if lora.dropout > 0 and lora_dropout.uses_kernels(lora.dropout_kernel):

@@ -10,6 +10,8 @@ its GEMM reduces, so one outlier costs the precision of its own row only. W gets
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 E4M3 = torch.float8_e4m3fn
@@ -78,40 +80,89 @@ def scaled_matmul(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b
     return _dequantized_matmul(a_q, a_scale, b_q, b_scale, out_dtype)
 
 
+def quantizer(device: torch.device):
+    """The row-wise quantizer for a device: on an FP8 GPU a torch.compile of quantize_rows (its abs, amax, divide and
+    cast fused into two kernels; eager it costs more than the FP8 GEMM saves: docs/benchmarks/2026-12-03-h200-fp8-
+    linear.md), elsewhere quantize_rows itself (the same function, the same values)."""
+    if fp8_gemm_runs(device, torch.bfloat16):
+        return _compiled_quantize()
+    return quantize_rows
+
+
+@functools.cache
+def _compiled_quantize():
+    return torch.compile(quantize_rows, dynamic=True)
+
+
+class _LastInput:
+    """The last input the forward quantized, with its quantization: q, k and v (and gate and up) are given the same
+    tensor, which is then quantized once for the three (twice). The tensor itself is held, so its identity cannot pass
+    to another tensor while it is here; its version counter tells an in-place change apart."""
+
+    def __init__(self):
+        self.x = self.version = self.value = None
+
+    def quantize(self, x: torch.Tensor, quantize) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (self.x is x and self.version == x._version and self.value[2] is quantize):
+            x_q, x_scale = quantize(x.reshape(-1, x.shape[-1]))
+            self.x, self.version, self.value = x, x._version, (x_q, x_scale, quantize)
+        return self.value[0], self.value[1]
+
+    def clear(self) -> None:
+        self.x = self.version = self.value = None
+
+
+LAST_INPUT = _LastInput()
+
+
+def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, quantize=quantize_rows) -> torch.Tensor:
+    """x·Wᵀ as a [tokens, out] tensor in x's dtype, for W = diag(w_scale)·w_q; x of any leading dims (no autograd)."""
+    x_q, x_scale = LAST_INPUT.quantize(x, quantize)
+    return scaled_matmul(x_q, x_scale, w_q, w_scale, x.dtype)
+
+
+def fp8_input_grad(grad_y2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, quantize=quantize_rows):
+    """grad_y·W for W = diag(w_scale)·w_q and a [tokens, out] grad_y: the input gradient of x·Wᵀ, [tokens, in].
+
+    grad_y·W = (grad_y·diag(s))·W_q: column j of grad_y times s[j]. The fold is needed, not only allowed: this GEMM
+    reduces over `out`, and a row-wise scaled GEMM takes scales along M and N only, never along K. Folded,
+    grad_y·diag(s) is quantized row-wise (per token) and W_q, now [in, out] (K = out), takes unit scales."""
+    g_q, g_scale = quantize(grad_y2, w_scale.t())
+    w_t = w_q.t().contiguous()  # the FP8 GEMM reads mat2 column-major: one copy of the 1-byte weight
+    ones = torch.ones(w_t.shape[0], 1, dtype=torch.float32, device=w_t.device)
+    return scaled_matmul(g_q, g_scale, w_t, ones, grad_y2.dtype)
+
+
 class Fp8BaseLinearFunction(torch.autograd.Function):
     """y = x·Wᵀ (+ bias) for a frozen W = diag(w_scale)·w_q; x of any leading dims, bf16 or fp32, y in x's dtype.
 
-    Gradients: x's, and bias's when it requires one; w_q and w_scale get none. `quantize` is the row-wise quantizer
-    both directions use: quantize_rows, or a torch.compile of it (the same function, fused into fewer kernels).
+    Gradients: x's, and bias's when it requires one; W gets none. `quantize` is the row-wise quantizer both directions
+    use: quantize_rows, or a torch.compile of it (the same function, fused into fewer kernels). Given `weight` (a
+    ZeRO-3 layer's gathered weight) instead of w_q and w_scale, W is quantized from it in forward and again in
+    backward, so no FP8 copy outlives the layer's use.
     """
 
     @staticmethod
-    def forward(ctx, x, w_q, w_scale, bias=None, quantize=quantize_rows):
-        x2 = x.reshape(-1, x.shape[-1])
-        x_q, x_scale = quantize(x2)
-        y = scaled_matmul(x_q, x_scale, w_q, w_scale, x.dtype)
+    def forward(ctx, x, w_q, w_scale, bias=None, quantize=quantize_rows, weight=None):
+        if weight is not None:
+            w_q, w_scale = quantize_weight(weight)
+        y = fp8_linear(x, w_q, w_scale, quantize)
         if bias is not None:
             y = y + bias.to(y.dtype)
         # Kept: the weight (held by its layer anyway) and x's shape. Not x: only W's gradient would read it.
-        ctx.save_for_backward(w_q, w_scale)
+        ctx.save_for_backward(*((weight,) if weight is not None else (w_q, w_scale)))
         ctx.x_shape, ctx.quantize = x.shape, quantize
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y.reshape(*x.shape[:-1], w_q.shape[0])
 
     @staticmethod
     def backward(ctx, grad_y):
-        w_q, w_scale = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        w_q, w_scale = quantize_weight(saved[0]) if len(saved) == 1 else saved
         g = grad_y.reshape(-1, grad_y.shape[-1])
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            # grad_x = grad_y·W with W = diag(s)·W_q, so grad_y·W = (grad_y·diag(s))·W_q: column j of grad_y times
-            # s[j]. The fold is needed, not only allowed: this GEMM reduces over `out`, and a row-wise scaled GEMM
-            # takes scales along M and N only, never along K. Folded, grad_y·diag(s) is quantized row-wise (per
-            # token) and W_q, now [in, out] (K = out), takes unit scales.
-            g_q, g_scale = ctx.quantize(g, w_scale.t())
-            w_t = w_q.t().contiguous()  # the FP8 GEMM reads mat2 column-major: one copy of the 1-byte weight
-            ones = torch.ones(w_t.shape[0], 1, dtype=torch.float32, device=w_t.device)
-            grad_x = scaled_matmul(g_q, g_scale, w_t, ones, grad_y.dtype).reshape(ctx.x_shape)
+            grad_x = fp8_input_grad(g, w_q, w_scale, ctx.quantize).reshape(ctx.x_shape)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
             grad_bias = g.sum(0).to(ctx.bias_dtype)
-        return grad_x, None, None, grad_bias, None
+        return grad_x, None, None, grad_bias, None, None

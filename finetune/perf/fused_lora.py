@@ -24,16 +24,23 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from finetune.perf import lora_dropout
+from finetune.perf import fp8, lora_dropout
+from finetune.perf.precision import Fp8FrozenLinear
 
 
 class LoraLinearFunction(torch.autograd.Function):
     """y = x·Wᵀ (+ bias) + scaling·(drop(x)·Aᵀ)·Bᵀ for a frozen W; gradients for x, A and B."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dropout: float, seeded: bool = False):
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dropout: float, seeded: bool = False,
+                w_scale=None, quantize=None):
         x2 = x.reshape(-1, x.shape[-1])
-        y = F.linear(x2, weight, bias)
+        if quantize is None:
+            y = F.linear(x2, weight, bias)
+        else:  # an FP8 base (finetune/perf/precision.py): weight is its w_q, or with no w_scale the bf16 weight
+            y = fp8.fp8_linear(x, *_fp8_weight(weight, w_scale), quantize)
+            if bias is not None:
+                y += bias.to(y.dtype)
         mask = seed = None
         seeded = seeded and dropout > 0 and x2.is_contiguous() and x2.numel() <= lora_dropout.MAX_ELEMENTS
         if seeded:  # the mask is drawn from the seed in each kernel that needs it (finetune/perf/lora_dropout.py)
@@ -46,18 +53,21 @@ class LoraLinearFunction(torch.autograd.Function):
         else:
             low_rank = x2 @ lora_a.t()
         y.addmm_(low_rank, lora_b.t(), alpha=scaling)
-        ctx.save_for_backward(x, weight, lora_a, lora_b, low_rank, mask, seed)
-        ctx.scaling, ctx.dropout = scaling, dropout
+        ctx.save_for_backward(x, weight, lora_a, lora_b, low_rank, mask, seed, w_scale)
+        ctx.scaling, ctx.dropout, ctx.quantize = scaling, dropout, quantize
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, lora_a, lora_b, low_rank, mask, seed = ctx.saved_tensors
+        x, weight, lora_a, lora_b, low_rank, mask, seed, w_scale = ctx.saved_tensors
         x2 = x.reshape(-1, x.shape[-1])
         grad2 = grad_out.reshape(-1, grad_out.shape[-1])
         keep_scale = 1.0 / (1.0 - ctx.dropout) if mask is not None else 1.0
         grad_low = (grad2 @ lora_b).mul_(ctx.scaling)  # [tokens, r]: the gradient of drop(x)·Aᵀ
-        grad_x = grad2 @ weight if ctx.needs_input_grad[0] else None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad2 @ weight if ctx.quantize is None
+                      else fp8.fp8_input_grad(grad2, *_fp8_weight(weight, w_scale), ctx.quantize))
         grad_a = None
         if seed is not None:  # one pass through x and grad_x for both, the mask drawn once
             if grad_x is not None or ctx.needs_input_grad[3]:
@@ -77,7 +87,12 @@ class LoraLinearFunction(torch.autograd.Function):
         grad_b = None
         if ctx.needs_input_grad[4]:
             grad_b = (grad2.t() @ low_rank).mul_(ctx.scaling)
-        return grad_x, None, None, grad_a, grad_b, None, None, None
+        return grad_x, None, None, grad_a, grad_b, None, None, None, None, None
+
+
+def _fp8_weight(weight: torch.Tensor, w_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 base's (w_q, w_scale): kept ones as given, or a ZeRO-3 layer's gathered weight quantized now."""
+    return (weight, w_scale) if w_scale is not None else fp8.quantize_weight(weight)
 
 
 def _fusable(layer, x: torch.Tensor, args, kwargs) -> bool:
@@ -88,7 +103,10 @@ def _fusable(layer, x: torch.Tensor, args, kwargs) -> bool:
     if len(active) != 1 or active[0] not in layer.lora_A or active[0] in layer.lora_variant:
         return False
     base, name = layer.get_base_layer(), active[0]
-    if type(base) is not torch.nn.Linear or base.weight.requires_grad:
+    if type(base) not in (torch.nn.Linear, Fp8FrozenLinear):
+        return False
+    weight = base._parameters.get("weight")  # none on an FP8 base that keeps only its FP8 copy
+    if weight is not None and weight.requires_grad:
         return False
     if base.bias is not None and base.bias.requires_grad:
         return False
@@ -98,7 +116,7 @@ def _fusable(layer, x: torch.Tensor, args, kwargs) -> bool:
     dropout = layer.lora_dropout[name]
     if not isinstance(dropout, (torch.nn.Dropout, torch.nn.Identity)):
         return False
-    return all(t.dtype == x.dtype for t in (base.weight, a.weight, b.weight))
+    return all(t.dtype == x.dtype for t in (a.weight, b.weight) + ((weight,) if weight is not None else ()))
 
 
 @functools.cache
@@ -116,9 +134,13 @@ def fused_class():
             base = self.get_base_layer()
             dropout = self.lora_dropout[name]
             p = dropout.p if isinstance(dropout, torch.nn.Dropout) and self.training else 0.0
-            return LoraLinearFunction.apply(x, base.weight, base.bias, self.lora_A[name].weight,
+            weight, w_scale, quantize = base._parameters.get("weight"), None, None
+            if isinstance(base, Fp8FrozenLinear):
+                w_q, w_scale = base.fp8_weight()
+                weight, quantize = (w_q if w_q is not None else weight), fp8.quantizer(x.device)
+            return LoraLinearFunction.apply(x, weight, base.bias, self.lora_A[name].weight,
                                             self.lora_B[name].weight, float(self.scaling[name]), p,
-                                            self.seeded_dropout)
+                                            self.seeded_dropout, w_scale, quantize)
 
     FusedLoraLinear.__name__ = FusedLoraLinear.__qualname__ = "FusedLoraLinear"
     return FusedLoraLinear

@@ -1,6 +1,6 @@
 """What a run prints: zerotune's own lines (plan, data, model, progress, samples, the end) and the warnings a user can
 act on. DeepSpeed's INFO logging, its CPU-accelerator notice on a machine without a GPU, its shm op's build line, torch's
-barrier notice on one GPU and the libraries' FutureWarnings about their own internals appear only with `--verbose` or
+barrier notice on one GPU, torchao's import notices and the libraries' FutureWarnings about their own internals appear only with `--verbose` or
 `ZEROTUNE_LOG=info`.
 
     from finetune.run import console
@@ -33,6 +33,9 @@ CPU_NOTICE = "Setting accelerator to CPU"
 # that DeepSpeed calls, ...): the user's code does not call them and cannot change them.
 LIBRARIES = r"(torch|transformers|deepspeed|peft|accelerate|datasets)(\.|$)"
 BARRIER_NOTICE = "barrier(): using the device under current context"
+# Loggers that warn about their own import: torchao (imported by transformers' quantizers wherever it is installed)
+# on each of its GPU kernels libraries that cannot load here, torch's pytree on torchao's enums.
+IMPORT_NOTICES = ("torchao", "torch.utils._pytree")
 
 
 def level(verbose: bool = False) -> int:
@@ -98,6 +101,8 @@ def setup(verbose: bool = False) -> int:
         # has no reverse DNS entry, once per rank) follow TORCH_CPP_LOG_LEVEL, read when torch is first imported:
         # this process's, if it has not imported torch yet, and every process it starts. Set by hand, it stays.
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    for name in IMPORT_NOTICES:
+        logging.getLogger(name).setLevel(logging.ERROR if lvl >= logging.WARNING else logging.NOTSET)
     return lvl
 
 

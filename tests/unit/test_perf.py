@@ -27,6 +27,7 @@ from finetune.model.build import build_model
 from finetune.perf import attention, liger
 from finetune.perf.fused_lora import fused_class
 from finetune.perf.fused_loss import _LossHead
+from finetune.perf.precision import Fp8FrozenLinear
 from finetune.perf.fused_mlp import fused_forward
 from finetune.perf.tiled_mlp import tiled_forward
 from tests.helpers import ROOT, TINY_RECIPE
@@ -34,7 +35,7 @@ from tests.helpers import ROOT, TINY_RECIPE
 STAGE2_FP32 = {"bf16": {"enabled": False}, "zero_optimization": {"stage": 2}}
 MODEL_NAMES = [s.name for s in perf.SPEEDUPS if not s.engine and not s.data]
 ALL_ON = ["model.kernels=liger", "lora.enabled=true", "lora.fused=true", "lora.dropout=0.1",
-          "lora.dropout_kernel=triton", "model.fused_mlp=true", "model.fused_loss=true", "model.attn_implementation=flex"]
+          "lora.dropout_kernel=triton", "model.precision=fp8", "model.fused_mlp=true", "model.fused_loss=true", "model.attn_implementation=flex"]
 ALL_ON.append("model.tiled_mlp='on'")  # quoted: YAML reads a bare on/off as a boolean
 ALL_OFF = [f"{s.switch}={str(s.off).lower() if isinstance(s.off, bool) else repr(s.off)}" for s in perf.SPEEDUPS]
 CALLS = []  # the stand-in kernels' calls
@@ -111,6 +112,8 @@ def _marks(model) -> set[str]:
                 forward = m._tiled_mlp_inner
             if forward.__func__ is not type(m).forward:
                 found.add("fused_mlp" if forward.__func__ is fused_forward else "liger")
+        if type(m) is Fp8FrozenLinear:
+            found.add("fp8")
         if type(m) is fused_class():
             found.add("fused_lora")
             if m.seeded_dropout:
@@ -155,7 +158,7 @@ def test_the_table_lists_every_switch_with_its_off_value():
         hint = hints[section][key]
         assert isinstance(s.off, str) if hint is str else s.off in (typing.get_args(hint) or (True, False)), s
         assert perf.switch_value(Recipe(), s.switch) != s.off, f"{s.name} is off in the default recipe"
-    assert MODEL_NAMES == ["liger", "fused_lora", "lora_dropout_kernel", "fused_mlp", "tiled_mlp", "fused_loss",
+    assert MODEL_NAMES == ["liger", "fp8", "fused_lora", "lora_dropout_kernel", "fused_mlp", "tiled_mlp", "fused_loss",
                            "flex_attention"]
 
 
@@ -222,7 +225,7 @@ def test_report_lists_every_speed_up_with_its_switch(model_dir):
     records = perf.report(recipe, ["fused_mlp", "overflow_check"])
     assert [r["name"] for r in records] == list(perf.NAMES)
     assert all(set(r) == {"name", "switch", "on"} for r in records)
-    assert {r["switch"] for r in records} == {"model.kernels", "lora.fused", "lora.dropout_kernel", "model.fused_mlp",
+    assert {r["switch"] for r in records} == {"model.kernels", "model.precision", "lora.fused", "lora.dropout_kernel", "model.fused_mlp",
                                               "model.tiled_mlp", "model.fused_loss", "model.attn_implementation",
                                               "train.share_prompt", "optim.overflow_check"}
     assert [r["name"] for r in records if r["on"]] == ["fused_mlp", "overflow_check"]

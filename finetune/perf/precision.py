@@ -1,0 +1,118 @@
+"""The precision of the linear layers' GEMMs, chosen by model.precision: bf16, or FP8 (finetune/perf/fp8.py).
+
+    precision = resolve(recipe.model.precision, lora, bf16)   # "bf16" | "fp8"
+    count = install(model, lora, zero_stage)                  # by perf.apply, before deepspeed.initialize
+
+LoRA: each adapted projection's frozen base layer becomes an Fp8FrozenLinear. Under ZeRO-0/1/2 its weight is
+quantized once, here, to float8_e4m3fn with one fp32 scale per output row, and the bf16 weight is dropped: the base
+takes half the memory. Under ZeRO-3 the bf16 weight stays partitioned and the gathered weight is quantized at each
+use (forward, and again in backward), so nothing gathered is kept. The forward's GEMM and the input gradient's run in
+FP8; the adapters, norms, attention, loss and optimizer do not change. The FP8 copy is never trained and never
+saved (non-persistent buffers): checkpoints keep what they kept, and a merged export takes the base from model.path.
+
+Full fine-tuning: torchao's float8 training on every decoder linear layer (torchao.float8, FULL_RECIPE): the
+forward's and the input gradient's GEMMs in FP8, master weights and optimizer states as before. lm_head stays in
+bf16.
+
+`auto` is FP8 only on GPUs with FP8 tensor cores (compute capability 8.9+) in a bf16 run, and only for the kinds of
+run (LoRA, full) whose quality gate passed (benchmarks/precision.py, docs/performance.md); everywhere else bf16. An
+explicit `fp8` runs anywhere: on a CPU the GEMMs are the FP8 reference (exact fp32 products of the FP8 values), which is
+what the tests check, and no faster.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from finetune.config import ConfigError
+from finetune.perf import fp8
+
+FULL_RECIPE = "rowwise_with_gw_hp"
+"""torchao's float8 recipe for full fine-tuning: the forward's and the input gradient's GEMMs in FP8 with per-token
+and per-channel scales (as LoRA's base), the weight gradient in bf16. Per-token scales make a token's result
+independent of the other tokens of its micro-batch (a tensorwise scale is the whole micro-batch's largest value,
+padding included), so the same rows give the same losses on any number of ranks; and the weight gradient, the one
+the optimizer accumulates, keeps bf16's precision."""
+GATE_PASSED = {"lora": False, "full": False}
+"""Where `auto` may pick FP8: the kinds of run whose quality gate passed on an H200 (benchmarks/precision.py)."""
+
+
+def resolve(precision: str, lora: bool, bf16: bool) -> str:
+    """`bf16` or `fp8` for this run: model.precision, with `auto` decided by the GPU and the quality gate."""
+    if precision != "auto":
+        return precision
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    gate = GATE_PASSED["lora" if lora else "full"]
+    return "fp8" if bf16 and gate and fp8.fp8_gemm_runs(device, torch.bfloat16) else "bf16"
+
+
+class Fp8FrozenLinear(torch.nn.Linear):
+    """A frozen nn.Linear whose forward GEMM and input-gradient GEMM run in FP8.
+
+    Its FP8 weight is `weight_fp8` [out, in] with `weight_scale` [out, 1] once to_fp8 has made them (then it has no
+    `weight` parameter), else (ZeRO-3) its gathered `weight` quantized at each use."""
+
+    def fp8_weight(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(w_q, w_scale) when kept, else (None, None): the caller quantizes `weight`."""
+        if "weight_fp8" in self._buffers:
+            return self.weight_fp8, self.weight_scale
+        return None, None
+
+    def to_fp8(self) -> None:
+        """Quantize the weight once (on the GPU when there is one) and drop the bf16 copy."""
+        weight = self.weight.detach()
+        if torch.cuda.is_available():
+            weight = weight.to(torch.cuda.current_device())
+        w_q, w_scale = fp8.quantize_weight(weight)
+        del self.weight
+        self.register_buffer("weight_fp8", w_q, persistent=False)
+        self.register_buffer("weight_scale", w_scale, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w_q, w_scale = self.fp8_weight()
+        return fp8.Fp8BaseLinearFunction.apply(x, w_q, w_scale, self.bias, fp8.quantizer(x.device),
+                                               None if w_q is not None else self.weight)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", fp8=e4m3 row-wise"
+
+
+def install(model: torch.nn.Module, lora: bool, zero_stage: int) -> int:
+    """Put the model's linear layers in FP8; returns how many. Call it before deepspeed.initialize (ZeRO-3's hooks)."""
+    if lora:
+        return _install_lora(model, keep_fp8=zero_stage < 3)
+    return _install_full(model)
+
+
+def _install_lora(model: torch.nn.Module, keep_fp8: bool) -> int:
+    from peft.tuners.lora.layer import Linear
+
+    count = 0
+    for layer in [m for m in model.modules() if isinstance(m, Linear)]:
+        base = layer.get_base_layer()
+        if type(base) is not torch.nn.Linear or base.weight.requires_grad:
+            continue
+        base.__class__ = Fp8FrozenLinear
+        if keep_fp8:
+            base.to_fp8()
+        count += 1
+    return count
+
+
+def _install_full(model: torch.nn.Module) -> int:
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise ConfigError("model.precision=fp8 for full fine-tuning needs torchao: pip install torchao, or set "
+                          "model.precision=bf16") from e
+    converted = []
+
+    def decoder_linear(module: torch.nn.Module, name: str) -> bool:
+        keep = isinstance(module, torch.nn.Linear) and ".layers." in f".{name}"
+        if keep:
+            converted.append(name)
+        return keep
+
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(FULL_RECIPE),
+                               module_filter_fn=decoder_linear)
+    return len(converted)

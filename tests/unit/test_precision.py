@@ -1,0 +1,161 @@
+"""model.precision=fp8 on the tiny Mistral (finetune/perf/precision.py), on CPU: LoRA's FP8 base, fused or peft's
+forward, kept or quantized at each use (ZeRO-3), against a plain-PyTorch reference that quantizes the same way (loss
+and every gradient within 1e-6 in fp32) and against the unquantized model (within the bounds stated below); each
+layer's input quantized once for q/k/v and once for gate/up; the memory the kept copy takes; torchao's float8 for
+full fine-tuning; where `auto` picks FP8; a merged export refused from the FP8 copy.
+
+2 ranks under ZeRO-2/3, resume and the merged export from the bf16 base: tests/integration/test_precision.py."""
+
+import copy
+
+import pytest
+import torch
+
+from finetune import perf
+from finetune.config import ConfigError, load_recipe
+from finetune.perf import fp8, precision
+from finetune.perf.fused_lora import install_fused_lora
+from tests.fixtures.fused_lora_checks import TARGETS, loss_and_grads, peft_mistral, rel_err
+from tests.helpers import TINY_RECIPE
+
+# The FP8 model against the unquantized one (fp32, this tiny model): the loss within 1% (relative), every gradient
+# within 15% of its largest element (e4m3 keeps 3 mantissa bits; errors add up over 14 projections and 2 layers;
+# measured: 0.05% and about 6%).
+LOSS_BOUND, GRAD_BOUND = 1e-2, 0.15
+# torchao's full fine-tuning recipe (tensorwise scales, output gradients in e5m2: 2 mantissa bits), weight gradients
+# included: measured about 19%.
+FULL_GRAD_BOUND = 0.3
+
+
+def _ids(seed=1):
+    return torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(seed))
+
+
+def _ref_quantize(t):
+    """Row-wise e4m3 as the reference does it, written apart from the module."""
+    t = t.float()
+    scale = t.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
+    return (t / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+
+class _ReferenceFp8(torch.autograd.Function):
+    """x·Wᵀ with x quantized per token and W per output row; grad_x = quantize(grad_y·diag(s_W))·W_q, in fp32."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        w_q, w_s = _ref_quantize(weight)
+        x_q, x_s = _ref_quantize(x)
+        ctx.save_for_backward(w_q, w_s)
+        return ((x_q.float() * x_s) @ (w_q.float() * w_s).t()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        w_q, w_s = ctx.saved_tensors
+        g_q, g_s = _ref_quantize(grad_y.float() * w_s.t())
+        return ((g_q.float() * g_s) @ w_q.float()).to(grad_y.dtype), None
+
+
+def _reference_model(model):
+    """The peft model with each base layer's forward the plain reference above."""
+    for name, layer in model.named_modules():
+        if name.endswith(".base_layer"):  # the adapted projections' frozen base; lm_head stays as it is
+            layer.forward = lambda x, w=layer.weight: _ReferenceFp8.apply(x, w)
+    return model
+
+
+def _fp8_model(keep: bool, fused: bool):
+    model = peft_mistral(torch.float32)
+    assert precision.install(model, lora=True, zero_stage=2 if keep else 3) == 2 * len(TARGETS)
+    if fused:
+        install_fused_lora(model, zero_stage=0)
+    return model
+
+
+@pytest.mark.parametrize("keep,fused", [(True, True), (False, True), (True, False)],
+                         ids=["kept-fused", "at-each-use-fused", "kept-peft"])
+def test_fp8_lora_equals_a_plain_reference_and_stays_near_the_unquantized_model(keep, fused):
+    ids = _ids()
+    ref_loss, ref = loss_and_grads(_reference_model(peft_mistral(torch.float32)), ids)
+    loss, got = loss_and_grads(_fp8_model(keep, fused), ids)
+    assert loss == pytest.approx(ref_loss, rel=1e-6, abs=1e-6)
+    assert set(got) == set(ref) and rel_err(got, ref) < 1e-6  # inputs_embeds: the input gradient through every layer
+    plain_loss, plain = loss_and_grads(peft_mistral(torch.float32), ids)
+    assert abs(loss - plain_loss) / plain_loss < LOSS_BOUND
+    assert 1e-4 < rel_err(got, plain) < GRAD_BOUND  # near, and not equal: the GEMMs did run in FP8
+
+
+def test_each_layer_input_is_quantized_once_for_qkv_and_once_for_gate_up(monkeypatch):
+    """Forward: one quantization per distinct input of a decoder layer (q/k/v's, o's, gate/up's, down's) = 4, not 7;
+    backward: one per projection whose input needs a gradient (layer 0's q/k/v read the embeddings, which do not)."""
+    model = _fp8_model(keep=True, fused=True)
+    calls = []
+    real = fp8.quantize_rows
+    monkeypatch.setattr(fp8, "quantize_rows", lambda t, col_scale=None: calls.append(t.shape) or real(t, col_scale))
+    loss = model(input_ids=_ids(), labels=_ids()).loss
+    forward = len(calls)
+    loss.backward()
+    assert (forward, len(calls) - forward) == (2 * 4, 2 * 7 - 3)
+
+
+def test_kept_fp8_base_halves_its_bytes_and_is_never_saved():
+    model = peft_mistral(torch.bfloat16)
+    bases = [m.get_base_layer() for n, m in model.named_modules() if n.endswith(tuple(TARGETS))]
+    bf16_bytes = sum(b.weight.numel() * b.weight.element_size() for b in bases)
+    saved_before = set(model.state_dict())
+    precision.install(model, lora=True, zero_stage=2)
+    assert all(type(b) is precision.Fp8FrozenLinear and "weight" not in b._parameters for b in bases)
+    assert {b.weight_fp8.dtype for b in bases} == {torch.float8_e4m3fn}
+    assert all(b.weight_scale.shape == (b.out_features, 1) and b.weight_scale.dtype == torch.float32 for b in bases)
+    fp8_bytes = sum(b.weight_fp8.nbytes + b.weight_scale.nbytes for b in bases)
+    assert fp8_bytes < 0.55 * bf16_bytes
+    # the state dict (what a checkpoint holds) loses the frozen base weights and gains no FP8 tensor
+    assert set(model.state_dict()) == {k for k in saved_before if not k.endswith("base_layer.weight")}
+
+
+def test_full_fine_tuning_runs_torchao_float8_on_the_decoder_layers():
+    from torchao.float8.float8_linear import Float8Linear
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    plain = MistralForCausalLM(cfg)
+    model = copy.deepcopy(plain)
+    assert precision.install(model, lora=False, zero_stage=3) == 2 * len(TARGETS)
+    assert type(model.lm_head) is torch.nn.Linear  # the output layer stays in the training precision
+    assert sum(isinstance(m, Float8Linear) for m in model.modules()) == 2 * len(TARGETS)
+    ids = _ids()
+    plain_loss, plain_grads = _full_loss_and_grads(plain, ids)
+    loss, grads = _full_loss_and_grads(model, ids)
+    assert abs(loss - plain_loss) / plain_loss < LOSS_BOUND
+    assert 1e-4 < rel_err(grads, plain_grads) < FULL_GRAD_BOUND
+    # names are the model's own: checkpoints and exports do not change
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
+
+
+def _full_loss_and_grads(model, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+
+def test_auto_is_bf16_on_a_cpu_and_fp8_only_where_asked():
+    assert precision.resolve("auto", lora=True, bf16=True) == "bf16"
+    assert precision.resolve("fp8", lora=True, bf16=False) == "fp8"
+    assert precision.resolve("bf16", lora=False, bf16=True) == "bf16"
+    recipe = load_recipe(TINY_RECIPE, ["model.precision=fp8", "lora.enabled=true"])
+    model = peft_mistral(torch.float32)
+    applied = perf.apply(model, recipe, {"zero_optimization": {"stage": 2}})
+    assert applied[:2] == ["fp8", "fused_lora"]
+    assert {r["name"]: r["on"] for r in perf.report(recipe, applied)}["fp8"] is True
+    with pytest.raises(ConfigError, match="model.precision"):
+        load_recipe(TINY_RECIPE, ["model.precision=fp4"])
+
+
+def test_a_merged_export_is_never_made_from_the_fp8_copy(tmp_path):
+    from finetune.export.weights import export_module
+
+    model = _fp8_model(keep=True, fused=True)
+    with pytest.raises(ConfigError, match="zerotune export .* --merge"):
+        export_module(model, str(tmp_path / "merged"), None, lora=True, merge=True)
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "merged.tmp").exists()
