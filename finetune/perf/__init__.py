@@ -86,8 +86,9 @@ def apply(model, recipe: Recipe, ds_config: dict[str, Any]) -> list[str]:
     applied = []
     if m.kernels != "none" and liger.available() is None and liger.install(model):
         applied.append("liger")
-    if precision.resolve(m.precision, lora.enabled, bf16_enabled(ds_config)) == "fp8" and precision.install(
-            model, lora.enabled, stage):
+    micro_batch_tokens = recipe.train.micro_batch_size * recipe.data.max_seq_len
+    if precision.resolve(m.precision, lora.enabled, bf16_enabled(ds_config), micro_batch_tokens) == "fp8" and (
+            precision.install(model, lora.enabled, stage)):
         applied.append("fp8")
     if lora.enabled and lora.fused and install_fused_lora(model, stage, lora.dropout_kernel):
         applied.append("fused_lora")
@@ -95,7 +96,6 @@ def apply(model, recipe: Recipe, ds_config: dict[str, Any]) -> list[str]:
             applied.append("lora_dropout_kernel")
     if m.fused_mlp and install_fused_mlp(model, stage, liger="liger" in applied):
         applied.append("fused_mlp")
-    micro_batch_tokens = recipe.train.micro_batch_size * recipe.data.max_seq_len
     if tiled_mlp.wanted(m.tiled_mlp, recipe.data.max_seq_len) and tiled_mlp.install_tiled_mlp(model, stage,
                                                                                             micro_batch_tokens):
         applied.append("tiled_mlp")

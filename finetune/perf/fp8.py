@@ -36,11 +36,13 @@ def quantize_rows(t: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
     return q, scale
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(weight: torch.Tensor, quantize=None) -> tuple[torch.Tensor, torch.Tensor]:
     """A frozen [out, in] weight as (w_q [out, in] e4m3, w_scale [out, 1] fp32): one scale per output row, the rows
-    that the forward's GEMM reduces over `in`. Done once at load time, under no_grad (the weight is never trained)."""
+    that the forward's GEMM reduces over `in`. Under no_grad (the weight is never trained); once at load time, or at
+    each use of a ZeRO-3 layer's gathered weight, there through `quantize` (the compiled quantizer on a GPU: eager,
+    quantizing every weight twice a step cost LoRA ZeRO-3 more than its FP8 GEMMs saved)."""
     with torch.no_grad():
-        w_q, w_scale = quantize_rows(weight.detach())
+        w_q, w_scale = (quantize or quantize_rows)(weight.detach())
     return w_q.contiguous(), w_scale  # contiguous: scaled_matmul reads w_q as a row-major [N, K]
 
 
@@ -145,7 +147,7 @@ class Fp8BaseLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_q, w_scale, bias=None, quantize=quantize_rows, weight=None):
         if weight is not None:
-            w_q, w_scale = quantize_weight(weight)
+            w_q, w_scale = quantize_weight(weight, quantize)
         y = fp8_linear(x, w_q, w_scale, quantize)
         if bias is not None:
             y = y + bias.to(y.dtype)
@@ -158,7 +160,7 @@ class Fp8BaseLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         saved = ctx.saved_tensors
-        w_q, w_scale = quantize_weight(saved[0]) if len(saved) == 1 else saved
+        w_q, w_scale = quantize_weight(saved[0], ctx.quantize) if len(saved) == 1 else saved
         g = grad_y.reshape(-1, grad_y.shape[-1])
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:

@@ -1,6 +1,6 @@
 """The precision of the linear layers' GEMMs, chosen by model.precision: bf16, or FP8 (finetune/perf/fp8.py).
 
-    precision = resolve(recipe.model.precision, lora, bf16)   # "bf16" | "fp8"
+    precision = resolve(recipe.model.precision, lora, bf16, micro_batch_tokens)   # "bf16" | "fp8"
     count = install(model, lora, zero_stage)                  # by perf.apply, before deepspeed.initialize
 
 LoRA: each adapted projection's frozen base layer becomes an Fp8FrozenLinear. Under ZeRO-0/1/2 its weight is
@@ -14,8 +14,9 @@ Full fine-tuning: torchao's float8 training on every decoder linear layer (torch
 forward's and the input gradient's GEMMs in FP8, master weights and optimizer states as before. lm_head stays in
 bf16.
 
-`auto` is FP8 only on GPUs with FP8 tensor cores (compute capability 8.9+) in a bf16 run, and only for the kinds of
-run (LoRA, full) whose quality gate passed (benchmarks/precision.py, docs/performance.md); everywhere else bf16. An
+`auto` is FP8 only on GPUs with FP8 tensor cores (compute capability 8.9+) in a bf16 run, only for the kinds of run
+(LoRA, full) whose quality gate passed (benchmarks/precision.py, docs/performance.md), and only for micro-batches
+large enough for FP8 to be faster (AUTO_MIN_TOKENS); everywhere else bf16. An
 explicit `fp8` runs anywhere: on a CPU the GEMMs are the FP8 reference (exact fp32 products of the FP8 values), which is
 what the tests check, and no faster.
 """
@@ -33,17 +34,24 @@ and per-channel scales (as LoRA's base), the weight gradient in bf16. Per-token 
 independent of the other tokens of its micro-batch (a tensorwise scale is the whole micro-batch's largest value,
 padding included), so the same rows give the same losses on any number of ranks; and the weight gradient, the one
 the optimizer accumulates, keeps bf16's precision."""
-GATE_PASSED = {"lora": False, "full": False}
-"""Where `auto` may pick FP8: the kinds of run whose quality gate passed on an H200 (benchmarks/precision.py)."""
+GATE_PASSED = {"lora": True, "full": False}
+"""Where `auto` may pick FP8: the kinds of run whose quality gate passed on an H200 (benchmarks/precision.py,
+docs/benchmarks/2026-12-03-h200-fp8-precision.md): LoRA's loss within 0.10% of bf16 over 200 steps, eval 0.02%.
+Full fine-tuning stays bf16: torchao's eager float8 ran at 0.6x bf16's speed there, and its gate did not finish."""
+AUTO_MIN_TOKENS = 16_384
+"""`auto` picks FP8 for micro-batches of at least this many tokens: LoRA ZeRO-2 on an H200 ran 1.20x bf16's tok/s at
+8 rows of 2,048 tokens and 0.85x at 4 rows, where the quantizers' and GEMMs' fixed costs per call outweigh the faster
+GEMMs."""
 
 
-def resolve(precision: str, lora: bool, bf16: bool) -> str:
-    """`bf16` or `fp8` for this run: model.precision, with `auto` decided by the GPU and the quality gate."""
+def resolve(precision: str, lora: bool, bf16: bool, micro_batch_tokens: int) -> str:
+    """`bf16` or `fp8` for this run: model.precision, with `auto` decided by the GPU, the quality gate and the size
+    of the micro-batch."""
     if precision != "auto":
         return precision
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    gate = GATE_PASSED["lora" if lora else "full"]
-    return "fp8" if bf16 and gate and fp8.fp8_gemm_runs(device, torch.bfloat16) else "bf16"
+    wanted = GATE_PASSED["lora" if lora else "full"] and micro_batch_tokens >= AUTO_MIN_TOKENS
+    return "fp8" if bf16 and wanted and fp8.fp8_gemm_runs(device, torch.bfloat16) else "bf16"
 
 
 class Fp8FrozenLinear(torch.nn.Linear):

@@ -140,9 +140,9 @@ def _full_loss_and_grads(model, ids):
 
 
 def test_auto_is_bf16_on_a_cpu_and_fp8_only_where_asked():
-    assert precision.resolve("auto", lora=True, bf16=True) == "bf16"
-    assert precision.resolve("fp8", lora=True, bf16=False) == "fp8"
-    assert precision.resolve("bf16", lora=False, bf16=True) == "bf16"
+    assert precision.resolve("auto", lora=True, bf16=True, micro_batch_tokens=16384) == "bf16"
+    assert precision.resolve("fp8", lora=True, bf16=False, micro_batch_tokens=1) == "fp8"
+    assert precision.resolve("bf16", lora=False, bf16=True, micro_batch_tokens=16384) == "bf16"
     recipe = load_recipe(TINY_RECIPE, ["model.precision=fp8", "lora.enabled=true"])
     model = peft_mistral(torch.float32)
     applied = perf.apply(model, recipe, {"zero_optimization": {"stage": 2}})
@@ -150,6 +150,18 @@ def test_auto_is_bf16_on_a_cpu_and_fp8_only_where_asked():
     assert {r["name"]: r["on"] for r in perf.report(recipe, applied)}["fp8"] is True
     with pytest.raises(ConfigError, match="model.precision"):
         load_recipe(TINY_RECIPE, ["model.precision=fp4"])
+
+
+def test_auto_on_an_fp8_gpu_follows_the_gate_and_the_micro_batch(monkeypatch):
+    monkeypatch.setattr(fp8, "fp8_gemm_runs", lambda device, dtype: dtype == torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the device only reaches the stand-in above
+    big, small = precision.AUTO_MIN_TOKENS, precision.AUTO_MIN_TOKENS - 1
+    assert precision.resolve("auto", lora=True, bf16=True, micro_batch_tokens=big) == (
+        "fp8" if precision.GATE_PASSED["lora"] else "bf16")
+    assert precision.resolve("auto", lora=True, bf16=True, micro_batch_tokens=small) == "bf16"
+    assert precision.resolve("auto", lora=True, bf16=False, micro_batch_tokens=big) == "bf16"  # an fp32 run
+    assert precision.resolve("auto", lora=False, bf16=True, micro_batch_tokens=big) == (
+        "fp8" if precision.GATE_PASSED["full"] else "bf16")
 
 
 def test_a_merged_export_is_never_made_from_the_fp8_copy(tmp_path):
