@@ -8,6 +8,7 @@ file, or a command-line override. The DeepSpeed JSON is resolved against the rec
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import types
 import typing
@@ -50,6 +51,9 @@ class ModelConfig:
     tiled_mlp: Literal["auto", "on", "off"] = "auto"
     """Compute each MLP a tile of tokens at a time, forward and backward, so that its [tokens, intermediate] tensors
     never exist for a whole long row (finetune/perf/tiled_mlp.py); `auto` = on for rows longer than the tile."""
+    recompute_segment: int | None = None
+    """Two-level recomputation under full or offload: keep the input of one layer in k, rebuild the others' from it in
+    backward (finetune/model/two_level.py): about L/k + k inputs kept instead of L, one more forward; null = off."""
     recompute_layers: int | None = None
     """Decoder layers recomputed under `selective`, spread evenly over the model; null = every second one, or under
     `auto` the fewest that fit the GPU (each layer kept costs memory, each recomputed one a layer's forward GEMMs)."""
@@ -83,9 +87,8 @@ class LoraConfig:
     docs/benchmarks/2026-11-30-2xh200-vs-peer.md); `torch` keeps native_dropout's bool mask per adapter; `auto`:
     triton on an NVIDIA GPU of compute capability 8.0+ with Triton 3.0+, else torch. Other masks, the same
     distribution."""
-    target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                "up_proj", "down_proj"])
 
 
 @dataclass
@@ -93,8 +96,8 @@ class DataConfig:
     path: str = "data/train.jsonl"
     """Local JSON/JSONL/Parquet/CSV/Arrow file or a `datasets.save_to_disk` folder."""
     format: str = "alpaca"
-    """A registered format: text, alpaca, instruction_output, interactions, sharegpt, messages, preference (pairs for
-    train.objective dpo, ipo, orpo or simpo: docs/preference.md), or a plugin's."""
+    """A registered format: text, alpaca, instruction_output, interactions, sharegpt, messages, preference (pairs, for
+    a preference train.objective: docs/preference.md), or a plugin's."""
     plugins: list[str] = field(default_factory=list)
     """Modules to import that register extra formats (`my_pkg.formats`)."""
     eval_path: str | None = None
@@ -167,9 +170,8 @@ class TrainConfig:
     log_to: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)
     """Extra metric back-ends fed the same records as metrics.jsonl (rank 0): `tensorboard` (<output_dir>/tensorboard), `wandb`."""
     sequence_parallel: int | Literal["auto"] = "auto"
-    """Split each row's sequence over this many ranks (DeepSpeed Ulysses: all-to-all around attention); the
-    data-parallel size becomes world / sequence_parallel. `auto` = 1, or with a GPU memory budget (train.gpu_memory_gib
-    or the GPU's) the fewest ranks, inside one node first, that fit data.max_seq_len."""
+    """Split each row's sequence over this many ranks (DeepSpeed Ulysses), data-parallel size world / this. `auto` = 1,
+    or with a GPU memory budget (train.gpu_memory_gib or the GPU's) the fewest ranks, in one node first, that fit."""
     gpu_memory_gib: float | None = None
     """GPU memory budget per GPU: zerotune picks activation checkpointing and micro-batch (and, with --deepspeed auto,
     the ZeRO stage and offload) that the estimator fits into it, keeping the batch per step; on CUDA it also caps the
@@ -199,10 +201,9 @@ class TrainConfig:
     """A pair's prompt once in a row, its rejected response seeing the chosen one's copy: fewer tokens, the same
     log-probs. It needs zerotune's attention (model.attn_implementation flex); `auto`: wherever that runs."""
     stall_timeout_s: float | Literal["auto"] | None = "auto"
-    """End the run (exit 4) when no step finishes, and no eval batch, save, sample or export starts, for this many
-    seconds: every running rank writes its Python stacks to <output_dir>/stall/rank_K.txt and the lowest running rank
-    names the rank that is stuck, its host, phase and collective. `auto` (or null): 10 x the median step time + 60 s,
-    at least 300 s; 1800 s before the first step and for a save, sample or export. 0 = off."""
+    """End the run (exit 4) when no step ends, nor eval, save, sample or export starts, for this many s: ranks write
+    stacks to <output_dir>/stall/rank_K.txt, the lowest names the stuck rank, host, phase, collective. `auto`/null: 10 x
+    the median step + 60 s, at least 300 s; 1800 s before the first step and for a save, sample or export. 0 = off."""
 
 
 @dataclass
@@ -222,6 +223,9 @@ class Recipe:
             (self.train.sequence_parallel == "auto" or (isinstance(self.train.sequence_parallel, int)
                                                         and self.train.sequence_parallel >= 1),
              "train.sequence_parallel must be a whole number >= 1 (ranks that share one row's sequence), or auto"),
+            (self.model.recompute_segment is None or (self.model.recompute_segment > 1 and self.model
+             .activation_checkpointing in ("full", "offload")), "model.recompute_segment needs a whole number > 1 "
+             "and model.activation_checkpointing full or offload (or set it to null)"),
             (self.model.recompute_layers is None or self.model.recompute_layers > 0,
              "model.recompute_layers must be > 0 (decoder layers recomputed under selective checkpointing), or null"),
             (self.model.recompute_layers is None or self.model.activation_checkpointing in ("selective", "auto"),
@@ -386,13 +390,9 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{source}: {key} must be a list, got {type(value).__name__} {value!r}")
         return [_coerce(v, args[0], key, source) for v in value]
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint is float and isinstance(value, str):
-        try:  # YAML 1.1 reads 5e-3 (no dot) as a string
+    if hint is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+        with contextlib.suppress(ValueError):  # YAML 1.1 reads 5e-3 (no dot) as a string
             return float(value)
-        except ValueError:
-            pass
     if hint is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):

@@ -158,7 +158,7 @@ def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: in
                          adapter_dtype_bytes: int | None = None, fused_loss: bool = False,
                          liger: bool = False, recompute_layers: int | None = None,
                          fused_mlp: bool = False, tiled_mlp: bool = False,
-                         sequence_parallel: int = 1) -> dict[str, float]:
+                         sequence_parallel: int = 1, recompute_segment: int | None = None) -> dict[str, float]:
     """Activation bytes of one micro-batch (rows of seq_len tokens) per GPU, at the peak of backward.
 
     checkpointing: none keeps every layer's activations; full keeps each layer's input and recomputes one layer at a
@@ -173,6 +173,8 @@ def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: in
     layer at a time. It applies where down_proj is a plain linear layer, not LoRA-adapted (and not under tiled_mlp).
     tiled_mlp: each MLP keeps its input; one tile's intermediates exist at a time (mlp_tile).
     sequence_parallel: each rank holds seq_len / sequence_parallel tokens of every row (_layer_bytes for attention).
+    recompute_segment (under full or offload; finetune/model/two_level.py): one layer in k keeps its input; while
+    backward runs through a segment, its other k - 1 inputs are rebuilt and held at once.
 
     Keys: kept (layers + other + the loss's: held through backward) and transient (the largest of one layer's
     backward, one MLP tile, one loss chunk) make total; saved is what autograd holds after forward (the hooks' count).
@@ -190,14 +192,18 @@ def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: in
     first = _layer_bytes(*layer_args, first=True, **kw) if lora is not None else per_layer
     recomputed = len(recomputed_layers(checkpointing, layers, recompute_layers))  # layer 0 among them, if any
     kept = layers - recomputed
+    segment = recompute_segment if recompute_segment and checkpointing in ("full", "offload") else 1
+    inputs = -(-layers // segment)  # the layer inputs kept through backward: every layer's, or one per segment
+    rebuilt = (segment - 1) * d * h  # a segment's other inputs, rebuilt in backward
     cpu = 0.0
     if lora is not None and checkpointing == "none":
         saved_layers = first + (layers - 1) * per_layer
     elif checkpointing == "offload":  # every layer's input in CPU memory, a few of them on the GPU at a time
-        saved_layers = min(layers, cal.OFFLOAD_GPU_LAYER_INPUTS) * d * h
-        cpu = tokens * layers * d * h
+        saved_layers = min(inputs, cal.OFFLOAD_GPU_LAYER_INPUTS) * d * h
+        cpu = tokens * inputs * d * h
     else:
-        saved_layers = kept * per_layer + recomputed * d * h  # a checkpointed layer keeps only its input
+        # a checkpointed layer keeps only its input, and under two-level only a segment's first layer
+        saved_layers = kept * per_layer + (recomputed - layers + inputs) * d * h
     recompute = per_layer if recomputed else 0.0  # one layer's activations rebuilt at a time in backward
     recompute += d * i if fused_mlp else 0  # and one layer's MLP product
     rope = 2 * d * (q // heads(config_dict)[0])  # cos and sin, shared by every layer
@@ -240,9 +246,10 @@ def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: in
     held_before = [0.0]
     if lora is not None and checkpointing != "offload":  # offloaded inputs below are in CPU memory
         chosen = set(recomputed_layers(checkpointing, layers, recompute_layers))
-        saved = [d * h if j in chosen else (first if j == 0 else per_layer) for j in range(layers)]
+        saved = [(d * h if j % segment == 0 else 0) if j in chosen else (first if j == 0 else per_layer)
+                 for j in range(layers)]
         held_before = [tokens * (sum(saved[:j]) - saved_layers) for j in range(layers)]  # relative to all layers
-    layer_backward = max(max(held_before) + own + grads, grads)
+    layer_backward = max(max(held_before) + own + grads, grads) + tokens * rebuilt
     # The caching allocator serves a multi-GiB request only from a free block as large: beside an untiled MLP's
     # [tokens, intermediate] tensors of a long row, one such block stays reserved but unused (an untiled 262,144-token
     # row ran out of memory with that much reserved and free).

@@ -292,13 +292,13 @@ def with_memory_choice(recipe: Recipe, checkpointing: str, micro_batch_size: int
                        recompute_layers: int | None = None, tiled_mlp: bool | None = None,
                        sequence_parallel: int | None = None) -> Recipe:
     """The recipe with the plan's choices; tiled_mlp / sequence_parallel None keep the recipe's."""
-    model = dataclasses.replace(recipe.model, activation_checkpointing=checkpointing,
-                                recompute_layers=recompute_layers if checkpointing == "selective" else None)
-    if tiled_mlp is not None:
-        model = dataclasses.replace(model, tiled_mlp="on" if tiled_mlp else "off")
+    whole = checkpointing in ("full", "offload")  # model.recompute_segment (two-level) needs one of them
+    tiled = recipe.model.tiled_mlp if tiled_mlp is None else "on" if tiled_mlp else "off"
+    model = dataclasses.replace(recipe.model, activation_checkpointing=checkpointing, tiled_mlp=tiled,
+                                recompute_layers=recompute_layers if checkpointing == "selective" else None,
+                                recompute_segment=recipe.model.recompute_segment if whole else None)
     train = dataclasses.replace(recipe.train, micro_batch_size=micro_batch_size, grad_accum=grad_accum)
-    if sequence_parallel is not None:
-        train = dataclasses.replace(train, sequence_parallel=sequence_parallel)
+    train = train if sequence_parallel is None else dataclasses.replace(train, sequence_parallel=sequence_parallel)
     return dataclasses.replace(recipe, model=model, train=train)
 
 

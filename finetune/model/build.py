@@ -63,7 +63,8 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, ds_config: dict[st
             model_cfg.path, config=config, dtype=dtype, attn_implementation=library_attention(model_cfg)
         )
     if model_cfg.activation_checkpointing != "none":
-        _enable_checkpointing(model, recomputed, offload=model_cfg.activation_checkpointing == "offload")
+        _enable_checkpointing(model, recomputed, offload=model_cfg.activation_checkpointing == "offload",
+                              segment=model_cfg.recompute_segment)
     if lora_cfg.enabled:
         model = _apply_lora(model, lora_cfg, model_cfg.init_seed)
         if dtype != torch.float32:
@@ -83,9 +84,10 @@ def library_attention(cfg: ModelConfig) -> str:
     return "sdpa" if cfg.attn_implementation in ("auto", "flex") else cfg.attn_implementation
 
 
-def _enable_checkpointing(model, recomputed: list[int], offload: bool = False) -> None:
+def _enable_checkpointing(model, recomputed: list[int], offload: bool = False, segment: int | None = None) -> None:
     """Recompute the decoder layers at these indices in backward; the others keep their activations. offload: each
-    recomputed layer's input waits for backward in CPU memory (finetune/model/activation_offload.py).
+    recomputed layer's input waits for backward in CPU memory (finetune/model/activation_offload.py). segment: keep
+    the input of one recomputed layer in `segment` and rebuild the others' (finetune/model/two_level.py).
 
     Non-reentrant checkpointing works with frozen LoRA bases and ZeRO-3's parameter hooks. transformers >= 5.20
     names it activation_checkpointing_enable; older 5.x only has gradient_checkpointing_enable. Both set the flag on
@@ -97,6 +99,12 @@ def _enable_checkpointing(model, recomputed: list[int], offload: bool = False) -
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     chosen = set(recomputed)
+    two_level = {}
+    if segment:
+        from finetune.model.two_level import segment_checkpoints
+
+        plain = model.model.layers[0]._gradient_checkpointing_func
+        two_level = segment_checkpoints(recomputed, segment, marking(plain), offload)
     for i, layer in enumerate(model.model.layers):
         layer.gradient_checkpointing = i in chosen
         checkpoint = layer._gradient_checkpointing_func
@@ -105,7 +113,7 @@ def _enable_checkpointing(model, recomputed: list[int], offload: bool = False) -
 
             checkpoint = offloading_checkpoint
         # Parts of the layer (the tiled MLP) skip work that the recomputation does not need (finetune/model/recompute.py).
-        layer._gradient_checkpointing_func = marking(checkpoint)
+        layer._gradient_checkpointing_func = two_level.get(i) or marking(checkpoint)
 
 
 def apply_rope_scaling(config, rope_scaling: dict[str, Any] | None) -> None:

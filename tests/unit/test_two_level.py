@@ -1,0 +1,151 @@
+"""model.recompute_segment (finetune/model/two_level.py): two-level recomputation gives `full` checkpointing's loss and
+gradients bit for bit in fp32 (LoRA with dropout, whose masks the rebuild must draw again; full fine-tuning; the
+inputs in CPU memory; the tiled MLP), and costs what it should: one more forward of each layer that is not the first
+of its segment, and one kept hidden state per segment.
+
+ZeRO-2 and ZeRO-3 engines on 2 ranks: tests/integration/test_two_level.py."""
+
+import pytest
+import torch
+
+from finetune.config import ConfigError, load_recipe
+from finetune.model.build import _enable_checkpointing
+from finetune.model.two_level import segment_checkpoints
+from tests.fixtures.fused_lora_checks import TARGETS
+from tests.helpers import TINY_RECIPE
+
+LAYERS = 5
+
+
+def _model(lora: bool, dropout: float = 0.0):
+    from peft import LoraConfig, get_peft_model
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=LAYERS,
+                        num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = MistralForCausalLM(cfg)
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, target_modules=TARGETS))
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.2)
+    return model
+
+
+def _base(model):
+    from peft import PeftModel
+
+    return model.base_model.model if isinstance(model, PeftModel) else model
+
+
+def _step(model, segment, offload=False, tiled=False):
+    """Loss, every gradient, and how many times each decoder layer's forward ran, for one training step."""
+    base = _base(model)
+    _enable_checkpointing(base, list(range(LAYERS)), offload=offload, segment=segment)
+    if tiled:
+        from finetune.perf import tiled_mlp
+
+        assert tiled_mlp.install_tiled_mlp(model, 0, max_tokens=48, tile_tokens=16) == LAYERS
+    runs = [0] * LAYERS
+    for i, layer in enumerate(base.model.layers):
+        layer.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
+    model.train()
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(7)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.item(), grads, runs
+
+
+@pytest.mark.parametrize("lora,offload,tiled", [(True, False, False), (False, False, False), (True, True, False),
+                                                (True, False, True)], ids=["lora-dropout", "full", "offload", "tiled"])
+def test_two_level_gives_full_checkpointings_loss_and_gradients(lora, offload, tiled):
+    dropout = 0.3 if lora else 0.0
+    ref_loss, ref, _ = _step(_model(lora, dropout), None, offload, tiled)
+    for segment in (2, 3):
+        loss, grads, runs = _step(_model(lora, dropout), segment, offload, tiled)
+        assert loss == ref_loss
+        assert grads.keys() == ref.keys() and len(grads) > 0
+        assert all(torch.equal(grads[n], ref[n]) for n in ref), [n for n in ref if not torch.equal(grads[n], ref[n])]
+        # layer forwards through the module: once in forward, and once more for each layer whose output is the input
+        # of the next layer of its segment (the rebuild); a segment's last layer's output is rebuilt by no one
+        last = {min(s + segment, LAYERS) - 1 for s in range(0, LAYERS, segment)}
+        assert runs == [1 if i in last else 2 for i in range(LAYERS)], (segment, runs)
+
+
+def test_one_hidden_state_is_kept_per_segment():
+    """What the checkpoints save for their layers' inputs: the first of each segment the tensor, the others a handle."""
+    saved = []
+    plain = segment_checkpoints(list(range(7)), 3, lambda f, *a, **k: torch.utils.checkpoint.checkpoint(
+        f, *a, use_reentrant=False, **k))
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.tanh(self.w(x))
+
+    from functools import partial
+
+    layers = [Layer() for _ in range(7)]
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def spy(pack):
+        def wrapped(t):
+            packed = pack(t)
+            if isinstance(packed, tuple) and isinstance(packed[0], str):  # ours, not the checkpoint's own hooks
+                saved.append(packed[0])
+            return packed
+        return wrapped
+
+    original = torch.autograd.graph.saved_tensors_hooks.__init__
+
+    def spying_init(self, pack, unpack):
+        original(self, spy(pack), unpack)
+
+    torch.autograd.graph.saved_tensors_hooks.__init__ = spying_init
+    try:
+        h = x
+        for i, layer in enumerate(layers):
+            h = plain[i](partial(Layer.forward, layer), h)
+    finally:
+        torch.autograd.graph.saved_tensors_hooks.__init__ = original
+    # layers 0-2, 3-5, 6: three segments; the inner tensors of each layer are the checkpoint's own, not seen here
+    assert saved.count("start") == 3 and saved.count("rebuild") == 4 and saved.count("other") == 0, saved
+    h.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_a_segment_needs_full_or_offload_and_two_layers():
+    load_recipe(TINY_RECIPE, ["model.recompute_segment=4"])  # the tiny recipe recomputes every layer
+    with pytest.raises(ConfigError, match="model.recompute_segment"):
+        load_recipe(TINY_RECIPE, ["model.recompute_segment=4", "model.activation_checkpointing=selective"])
+    with pytest.raises(ConfigError, match="model.recompute_segment"):
+        load_recipe(TINY_RECIPE, ["model.recompute_segment=1"])
+
+
+def test_the_estimate_keeps_one_input_per_segment_and_holds_a_segments_rebuilt_inputs():
+    """Mistral-7B's 32 layers at 524,288 tokens in segments of 6: 6 kept inputs instead of 32 (on the GPU under full,
+    in CPU memory under offload), and 5 rebuilt ones held while backward runs through a segment."""
+    import json
+    import os
+
+    from finetune.memory.activations import estimate_activations
+    from tests.helpers import ROOT
+
+    with open(os.path.join(ROOT, "recipes", "mistral7b_shape", "config.json")) as f:
+        cfg = json.load(f)
+    one_input = 524288 * 4096 * 2
+    for lora in (None, {"enabled": True, "rank": 16, "target_modules": TARGETS}):
+        full, two = (estimate_activations(cfg, lora, 524288, 1, "full", recompute_segment=k) for k in (None, 6))
+        assert full["layers"] - two["layers"] == (32 - 6) * one_input
+        # the 5 rebuilt inputs; LoRA's count of what the layers below hold (relative to all kept inputs) gains one:
+        # under full the last layer's own input is among the kept ones, under two-level it is rebuilt
+        assert two["layer_backward"] - full["layer_backward"] == (5 if lora is None else 6) * one_input
+        assert two["total"] < full["total"] - 15 * one_input  # 26 fewer kept, 5 or 6 more held in backward
+    off_full, off_two = (estimate_activations(cfg, None, 524288, 1, "offload", recompute_segment=k) for k in (None, 6))
+    assert (off_full["cpu"], off_two["cpu"]) == (32 * one_input, 6 * one_input)
