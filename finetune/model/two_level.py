@@ -22,6 +22,7 @@ input exactly as under `full`, so losses and gradients are `full`'s, bit for bit
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
@@ -82,6 +83,10 @@ def segment_checkpoints(recomputed: list[int], segment: int, checkpoint: Callabl
 
     def for_layer(i: int) -> Callable:
         def two_level_checkpoint(function, *args, **kwargs):
+            if not args:  # a layer called with hidden_states=...: the checkpoint is to save it, so pass it positionally
+                keywords = dict(function.keywords)
+                args = (keywords.pop("hidden_states"),)
+                function = partial(function.func, *function.args, **keywords)
             hidden, device = args[0], args[0].device
             if starts[i] == i:
                 seg = state["open"] = _Segment(i, to_host(hidden) if offload else hidden)

@@ -87,7 +87,8 @@ def apply(model, recipe: Recipe, ds_config: dict[str, Any]) -> list[str]:
     if m.kernels != "none" and liger.available() is None and liger.install(model):
         applied.append("liger")
     micro_batch_tokens = recipe.train.micro_batch_size * recipe.data.max_seq_len
-    if precision.resolve(m.precision, lora.enabled, bf16_enabled(ds_config), micro_batch_tokens) == "fp8" and (
+    if precision.resolve(m.precision, lora.enabled, bf16_enabled(ds_config), micro_batch_tokens,
+                         recipe.data.max_seq_len) == "fp8" and (
             precision.install(model, lora.enabled, stage)):
         applied.append("fp8")
     if lora.enabled and lora.fused and install_fused_lora(model, stage, lora.dropout_kernel):

@@ -1,6 +1,6 @@
 """The precision of the linear layers' GEMMs, chosen by model.precision: bf16, or FP8 (finetune/perf/fp8.py).
 
-    precision = resolve(recipe.model.precision, lora, bf16, micro_batch_tokens)   # "bf16" | "fp8"
+    precision = resolve(recipe.model.precision, lora, bf16, micro_batch_tokens, seq_len)   # "bf16" | "fp8"
     count = install(model, lora, zero_stage)                  # by perf.apply, before deepspeed.initialize
 
 LoRA: each adapted projection's frozen base layer becomes an Fp8FrozenLinear. Under ZeRO-0/1/2 its weight is
@@ -16,7 +16,7 @@ bf16.
 
 `auto` is FP8 only on GPUs with FP8 tensor cores (compute capability 8.9+) in a bf16 run, only for the kinds of run
 (LoRA, full) whose quality gate passed (benchmarks/precision.py, docs/performance.md), and only for micro-batches
-large enough for FP8 to be faster (AUTO_MIN_TOKENS); everywhere else bf16. An
+large enough for FP8 to be faster (AUTO_MIN_TOKENS) of rows the gate measured (AUTO_MAX_SEQ_LEN); elsewhere bf16. An
 explicit `fp8` runs anywhere: on a CPU the GEMMs are the FP8 reference (exact fp32 products of the FP8 values), which is
 what the tests check, and no faster.
 """
@@ -42,15 +42,19 @@ AUTO_MIN_TOKENS = 16_384
 """`auto` picks FP8 for micro-batches of at least this many tokens: LoRA ZeRO-2 on an H200 ran 1.20x bf16's tok/s at
 8 rows of 2,048 tokens and 0.85x at 4 rows, where the quantizers' and GEMMs' fixed costs per call outweigh the faster
 GEMMs."""
+AUTO_MAX_SEQ_LEN = 2048
+"""...and for rows no longer than the gate's: longer rows (attention over more positions, tiled MLPs, long-context
+RoPE) are not what it measured, so `auto` keeps bf16 there; model.precision=fp8 still runs them."""
 
 
-def resolve(precision: str, lora: bool, bf16: bool, micro_batch_tokens: int) -> str:
-    """`bf16` or `fp8` for this run: model.precision, with `auto` decided by the GPU, the quality gate and the size
+def resolve(precision: str, lora: bool, bf16: bool, micro_batch_tokens: int, seq_len: int) -> str:
+    """`bf16` or `fp8` for this run: model.precision, with `auto` decided by the GPU, the quality gate and the shape
     of the micro-batch."""
     if precision != "auto":
         return precision
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    wanted = GATE_PASSED["lora" if lora else "full"] and micro_batch_tokens >= AUTO_MIN_TOKENS
+    measured = micro_batch_tokens >= AUTO_MIN_TOKENS and seq_len <= AUTO_MAX_SEQ_LEN
+    wanted = GATE_PASSED["lora" if lora else "full"] and measured
     return "fp8" if bf16 and wanted and fp8.fp8_gemm_runs(device, torch.bfloat16) else "bf16"
 
 

@@ -140,9 +140,9 @@ def _full_loss_and_grads(model, ids):
 
 
 def test_auto_is_bf16_on_a_cpu_and_fp8_only_where_asked():
-    assert precision.resolve("auto", lora=True, bf16=True, micro_batch_tokens=16384) == "bf16"
-    assert precision.resolve("fp8", lora=True, bf16=False, micro_batch_tokens=1) == "fp8"
-    assert precision.resolve("bf16", lora=False, bf16=True, micro_batch_tokens=16384) == "bf16"
+    assert precision.resolve("auto", lora=True, bf16=True, micro_batch_tokens=16384, seq_len=2048) == "bf16"
+    assert precision.resolve("fp8", lora=True, bf16=False, micro_batch_tokens=1, seq_len=1) == "fp8"
+    assert precision.resolve("bf16", lora=False, bf16=True, micro_batch_tokens=16384, seq_len=2048) == "bf16"
     recipe = load_recipe(TINY_RECIPE, ["model.precision=fp8", "lora.enabled=true"])
     model = peft_mistral(torch.float32)
     applied = perf.apply(model, recipe, {"zero_optimization": {"stage": 2}})
@@ -155,13 +155,16 @@ def test_auto_is_bf16_on_a_cpu_and_fp8_only_where_asked():
 def test_auto_on_an_fp8_gpu_follows_the_gate_and_the_micro_batch(monkeypatch):
     monkeypatch.setattr(fp8, "fp8_gemm_runs", lambda device, dtype: dtype == torch.bfloat16)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the device only reaches the stand-in above
-    big, small = precision.AUTO_MIN_TOKENS, precision.AUTO_MIN_TOKENS - 1
-    assert precision.resolve("auto", lora=True, bf16=True, micro_batch_tokens=big) == (
-        "fp8" if precision.GATE_PASSED["lora"] else "bf16")
-    assert precision.resolve("auto", lora=True, bf16=True, micro_batch_tokens=small) == "bf16"
-    assert precision.resolve("auto", lora=True, bf16=False, micro_batch_tokens=big) == "bf16"  # an fp32 run
-    assert precision.resolve("auto", lora=False, bf16=True, micro_batch_tokens=big) == (
-        "fp8" if precision.GATE_PASSED["full"] else "bf16")
+    big, small, row = precision.AUTO_MIN_TOKENS, precision.AUTO_MIN_TOKENS - 1, precision.AUTO_MAX_SEQ_LEN
+
+    def auto(lora=True, bf16=True, tokens=big, seq_len=row):
+        return precision.resolve("auto", lora=lora, bf16=bf16, micro_batch_tokens=tokens, seq_len=seq_len)
+
+    assert auto() == ("fp8" if precision.GATE_PASSED["lora"] else "bf16")
+    assert auto(tokens=small) == "bf16"
+    assert auto(seq_len=row + 1, tokens=4 * row) == "bf16"  # longer rows than the gate measured
+    assert auto(bf16=False) == "bf16"  # an fp32 run
+    assert auto(lora=False) == ("fp8" if precision.GATE_PASSED["full"] else "bf16")
 
 
 def test_a_merged_export_is_never_made_from_the_fp8_copy(tmp_path):

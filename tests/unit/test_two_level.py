@@ -75,6 +75,20 @@ def test_two_level_gives_full_checkpointings_loss_and_gradients(lora, offload, t
         assert runs == [1 if i in last else 2 for i in range(LAYERS)], (segment, runs)
 
 
+def test_a_layer_called_with_hidden_states_by_keyword_keeps_one_input_per_segment_too():
+    """Some transformers versions call each decoder layer with hidden_states=...: the checkpoint would then hold it in
+    the function it is given, out of the hooks' reach. It is passed positionally instead, and the rebuild still runs."""
+    model = _model(lora=True, dropout=0.3)
+    ref_loss, ref, _ = _step(_model(lora=True, dropout=0.3), None)
+    base = _base(model)
+    for layer in base.model.layers:  # the model's loop, as such a version writes it
+        forward = layer.forward
+        layer.forward = lambda hidden_states, *a, _f=forward, **k: _f(*a, hidden_states=hidden_states, **k)
+    loss, grads, runs = _step(model, 2)
+    assert loss == ref_loss and all(torch.equal(grads[n], ref[n]) for n in ref)
+    assert runs == [2, 1, 2, 1, 1]
+
+
 def test_one_hidden_state_is_kept_per_segment():
     """What the checkpoints save for their layers' inputs: the first of each segment the tensor, the others a handle."""
     saved = []
