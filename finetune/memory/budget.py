@@ -39,8 +39,9 @@ from finetune.config import ConfigError, Recipe
 from finetune.ds_config import load_ds_json, offloads_optimizer, resolve_ds_config, zero_stage
 from finetune.memory.estimate import (FIT_FRACTION, GIB, SHIPPED, SPEED_ORDER, display_path, estimate_run,
                                       recomputed_layers, shipped_dir, tiled_mlp_on)
+from finetune.memory.node import host_memory, local_gpu_gib, ranks_per_node
 from finetune.memory.long_rows import (least_recomputation, offload_options, sequence_parallel_degrees,
-                                       tiling_options)
+                                       tiling_options, two_level_segment)
 
 
 @dataclass
@@ -56,6 +57,8 @@ class MemoryPlan:
     """Faster choices that did not fit, with their estimated peak."""
     recompute_layers: int | None = None
     """Under selective checkpointing: how many decoder layers are recomputed (of `layers`)."""
+    recompute_segment: int | None = None
+    """Under full or offload checkpointing: two-level recomputation's segment (model.recompute_segment), or None."""
     layers: int = 0
     sequence_parallel: int = 1
     """Ranks that share each row's sequence (train.sequence_parallel as chosen); data-parallel size = world / it."""
@@ -68,8 +71,14 @@ class MemoryPlan:
     """Why sequence parallelism, the tiled MLP or checkpoint offload were chosen, each with the estimate that ruled
     out the cheaper option."""
 
+    @property
+    def recompute(self) -> int | None:
+        """What with_memory_choice takes: the selective layer count, or the two-level segment."""
+        return self.recompute_layers or self.recompute_segment
+
     def checkpointing_text(self) -> str:
-        return describe_checkpointing(self.activation_checkpointing, self.recompute_layers, self.layers)
+        return describe_checkpointing(self.activation_checkpointing, self.recompute_layers, self.layers,
+                                      self.recompute_segment)
 
     def summary(self) -> str:
         lines = [f"memory plan ({self.budget_gib:g} GiB per GPU, fits at <= {FIT_FRACTION:.0%}): {self.deepspeed}, "
@@ -123,7 +132,7 @@ def fit(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, world: int
         raise ConfigError(f"train.gpu_memory_gib: {e}") from None
     dist.print0(plan.summary())
     chosen = with_memory_choice(recipe, plan.activation_checkpointing, plan.micro_batch_size, plan.grad_accum,
-                                plan.recompute_layers, plan.tiled_mlp == "on", plan.sequence_parallel)
+                                plan.recompute, plan.tiled_mlp == "on", plan.sequence_parallel)
     return chosen, plan.deepspeed, plan
 
 
@@ -171,7 +180,8 @@ def plan_memory(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, wo
     degrees = sequence_parallel_degrees(recipe.train.sequence_parallel, model_config, world, ranks_per_node,
                                         recipe.model.attn_implementation, recipe.train.objective)
     passed_over, smallest, lowest_per_degree, refused = [], None, {}, set()
-    for offload in (False, True):
+    for phase in ("gpu", "two_level", "offload"):  # two-level recomputation only where no degree fits otherwise
+        offload = phase == "offload"
         for sp in degrees:
             for path in candidate_configs(deepspeed):
                 name = display_path(path)
@@ -179,7 +189,7 @@ def plan_memory(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, wo
                     continue
                 lowest = None
                 for checkpointing, mbs, recompute, tiled in _options(recipe, path, micro_batches, model_config,
-                                                                     tilings, offload, keep_settings):
+                                                                     tilings, phase, keep_settings):
                     trial = with_memory_choice(recipe, checkpointing, mbs, rows_per_step // mbs, recompute, tiled, sp)
                     row = _estimate(model_config, trial, path, world, recipe_path, cuda)
                     if cpu_bytes_per_node is not None and row["cpu_states"] * ranks_per_node > cpu_bytes_per_node:
@@ -190,23 +200,24 @@ def plan_memory(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, wo
                         break
                     if cpu_bytes_per_node is not None and row["cpu"] * ranks_per_node > cpu_bytes_per_node:
                         continue  # the offloaded layer inputs do not fit the node
-                    described = (describe_checkpointing(checkpointing, recompute, layers), mbs, sp, tiled)
+                    described = (describe_checkpointing(checkpointing, recompute, layers, recompute), mbs, sp, tiled)
                     if lowest is None or row["total"] < lowest[0]:
                         lowest = (row["total"], *described)
                     if smallest is None or row["total"] < smallest[0]:
                         smallest = (row["total"], name, *described)
                     if row["total"] <= limit:
+                        whole = checkpointing in ("full", "offload")  # `recompute` is then the two-level segment
                         plan = MemoryPlan(name, checkpointing, mbs, rows_per_step // mbs, row["total"] / GIB, budget_gib,
-                                          row["cpu"] * ranks_per_node / GIB, passed_over, recompute, layers, sp,
-                                          "on" if tiled else "off", seq_len,
+                                          row["cpu"] * ranks_per_node / GIB, passed_over, None if whole else recompute,
+                                          recompute if whole else None, layers, sp, "on" if tiled else "off", seq_len,
                                           row["cpu_activations"] * ranks_per_node / GIB)
                         plan.reasons = _reasons(plan, recipe, row, lowest_per_degree, smallest, limit,
                                                 lambda r: _estimate(model_config, r, path, world, recipe_path, cuda))
                         return plan
-                if lowest is not None:
+                if lowest is not None and phase != "two_level":  # (the smallest that keeps every layer's input)
                     key = (offload, sp)
                     lowest_per_degree[key] = min(lowest_per_degree.get(key, lowest[0]), lowest[0])
-                    if not offload and sp == degrees[0]:
+                    if phase == "gpu" and sp == degrees[0]:
                         passed_over.append(f"{name}: {lowest[0] / GIB:.2f} GiB at its smallest ("
                                            f"{_option_text(*lowest[1:])})")
     advice = ("Lower data.max_seq_len, use LoRA, add GPUs, or offload to NVMe (ds_configs/zero3_nvme.json with "
@@ -218,7 +229,9 @@ def plan_memory(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, wo
     raise ConfigError(
         f"train.gpu_memory_gib={budget_gib:g}: nothing fits {FIT_FRACTION:.0%} of it; the smallest is {name} with "
         f"{_option_text(*described, sentence=True)} at {total / GIB:.2f} GiB per GPU"
-        + (f" (CPU memory rules out {'; '.join(host)})" if host else "") + f". {advice}")
+        + (f" (CPU memory rules out {'; '.join(host)})" if host else "")
+        + (f"; CPU memory for offloading: {cpu_bytes_per_node / GIB:,.0f} GiB per node" if cpu_bytes_per_node else "")
+        + f". {advice}")
 
 
 def _estimate(model_config: dict[str, Any], trial: Recipe, path: str, world: int, recipe_path: str,
@@ -248,11 +261,15 @@ def _reasons(plan: MemoryPlan, recipe: Recipe, row: dict[str, Any], lowest_per_d
                    (f"; nor with {', '.join(tried)}" if tried else ""))
     if plan.tiled_mlp == "on" and recipe.model.tiled_mlp == "auto":
         untiled = estimate(with_memory_choice(recipe, plan.activation_checkpointing, plan.micro_batch_size,
-                                              plan.grad_accum, plan.recompute_layers, False, plan.sequence_parallel))
+                                              plan.grad_accum, plan.recompute, False, plan.sequence_parallel))
         out.append(f"tiled MLP on: {plan.seq_len:,}-token rows; untiled, this plan needs est. {gib(untiled['total'])}"
                    f" > {gib(limit)}" if untiled["total"] > limit else
                    f"tiled MLP on: {plan.seq_len:,}-token rows; it repeats less forward work than the recomputation "
                    f"untiled rows would need here")
+    if on_gpu and plan.recompute_segment:
+        best_gpu = min((b for (off, _), b in lowest_per_degree.items() if not off), default=None)
+        out.append(f"two-level recomputation (segments of {plan.recompute_segment} layers): nothing that keeps every "
+                   f"layer's input fits" + (f" (smallest est. {gib(best_gpu)} > {gib(limit)})" if best_gpu else ""))
     if not on_gpu:
         best_gpu = min((b for (off, _), b in lowest_per_degree.items() if not off), default=None)
         out.append("layer inputs in CPU memory (checkpointing offload): nothing fits on the GPU"
@@ -262,16 +279,21 @@ def _reasons(plan: MemoryPlan, recipe: Recipe, row: dict[str, Any], lowest_per_d
 
 
 def _options(recipe: Recipe, path: str, micro_batches: list[int], model_config: dict[str, Any], tilings: list[bool],
-             offload: bool, keep_settings: bool) -> list[tuple[str, int, int | None, bool]]:
-    """One pass's (checkpointing, micro-batch, recomputed layers, tiled MLP) options of one file, best first."""
+             phase: str, keep_settings: bool) -> list[tuple[str, int, int | None, bool]]:
+    """One pass's (checkpointing, micro-batch, recomputed layers or two-level segment, tiled MLP) options of one file,
+    best first. Phases: on the GPU; two-level recomputation on the GPU; the layer inputs in CPU memory."""
     if keep_settings:
-        if offload:
+        if phase != "gpu":
             return []
         m = recipe.model
         tiled = tiled_mlp_on(m.tiled_mlp, recipe.data.max_seq_len)
-        return [(m.activation_checkpointing, recipe.train.micro_batch_size, m.recompute_layers, tiled)]
-    if offload:
-        return _by_micro_batch(path, micro_batches, offload_options(tilings))
+        return [(m.activation_checkpointing, recipe.train.micro_batch_size, m.recompute_layers or m.recompute_segment,
+                 tiled)]
+    layers = model_config["num_hidden_layers"]
+    if phase == "offload":
+        return _by_micro_batch(path, micro_batches, offload_options(tilings, layers))
+    if phase == "two_level":
+        return _by_micro_batch(path, micro_batches, [("full", two_level_segment(layers), t) for t in tilings])
     least_first = least_recomputation(model_config, recipe.data.max_seq_len, tilings, recipe.model.recompute_layers)
     return _by_micro_batch(path, micro_batches, least_first)
 
@@ -292,18 +314,21 @@ def with_memory_choice(recipe: Recipe, checkpointing: str, micro_batch_size: int
                        recompute_layers: int | None = None, tiled_mlp: bool | None = None,
                        sequence_parallel: int | None = None) -> Recipe:
     """The recipe with the plan's choices; tiled_mlp / sequence_parallel None keep the recipe's."""
-    whole = checkpointing in ("full", "offload")  # model.recompute_segment (two-level) needs one of them
+    whole = checkpointing in ("full", "offload")  # recompute_layers is then two-level's segment, or the recipe's
     tiled = recipe.model.tiled_mlp if tiled_mlp is None else "on" if tiled_mlp else "off"
     model = dataclasses.replace(recipe.model, activation_checkpointing=checkpointing, tiled_mlp=tiled,
                                 recompute_layers=recompute_layers if checkpointing == "selective" else None,
-                                recompute_segment=recipe.model.recompute_segment if whole else None)
+                                recompute_segment=(recompute_layers or recipe.model.recompute_segment) if whole else None)
     train = dataclasses.replace(recipe.train, micro_batch_size=micro_batch_size, grad_accum=grad_accum)
     train = train if sequence_parallel is None else dataclasses.replace(train, sequence_parallel=sequence_parallel)
     return dataclasses.replace(recipe, model=model, train=train)
 
 
-def describe_checkpointing(checkpointing: str, recompute_layers: int | None, layers: int) -> str:
-    """`selective (4 of 32 layers recomputed)`; none and full as they are."""
+def describe_checkpointing(checkpointing: str, recompute_layers: int | None, layers: int,
+                           segment: int | None = None) -> str:
+    """`selective (4 of 32 layers recomputed)`, `full, two-level (segments of 6 layers)`; none and full as they are."""
+    if checkpointing in ("full", "offload") and segment:
+        return f"{checkpointing}, two-level (segments of {segment} layers)"
     if checkpointing != "selective" or not layers:
         return checkpointing
     return f"selective ({len(recomputed_layers('selective', layers, recompute_layers))} of {layers} layers recomputed)"
@@ -328,44 +353,6 @@ def check_host_memory(row: dict[str, Any], ranks_per_node: int, total: float | N
                 f"{_gib(available)} GiB is available now (of {_gib(total)}): other processes may have to go, "
                 f"or the run will swap or be killed")
     return None
-
-
-def host_memory(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> tuple[float | None, float | None]:
-    """(total, available) bytes of CPU memory for this job: MemTotal and MemAvailable, each capped by the cgroup's
-    limit (a container or a Slurm job sees the node's MemTotal but may use only its limit); None where unreadable."""
-    values = {}
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                values[key] = float(rest.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None, None
-    total, available = values.get("MemTotal"), values.get("MemAvailable")
-    for limit_file in ("memory.max", "memory/memory.limit_in_bytes"):  # cgroup v2, v1
-        try:
-            with open(os.path.join(cgroup, limit_file)) as f:
-                limit = f.read().strip()
-        except OSError:
-            continue
-        if limit.isdigit() and total is not None and int(limit) < total:
-            total = float(limit)
-            available = min(available, total) if available is not None else None
-    return total, available
-
-
-def ranks_per_node(world: int) -> int:
-    """Ranks sharing this node's memory: the launcher's LOCAL_WORLD_SIZE / LOCAL_SIZE, else every rank."""
-    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
-        if os.environ.get(key, "").isdigit():
-            return int(os.environ[key])
-    return world
-
-
-def local_gpu_gib() -> float | None:
-    """Memory of this rank's GPU in GiB, or None on a machine without CUDA."""
-    gpus = dist.local_gpus()
-    return gpus[dist.local_rank() % len(gpus)] / GIB if gpus else None
 
 
 def enforce(budget_gib: float) -> float | None:

@@ -22,7 +22,8 @@ from typing import Any
 
 from finetune import dist
 from finetune.config import ConfigError, Recipe
-from finetune.memory.budget import cpu_memory, host_memory, ranks_per_node
+from finetune.memory.budget import cpu_memory
+from finetune.memory.node import host_memory, ranks_per_node
 from finetune.memory.estimate import GIB, estimate_run
 
 

@@ -64,11 +64,18 @@ def forward_flops_per_token(cfg: dict[str, Any], seq_len: int) -> tuple[float, f
     return attention + mlp, mlp
 
 
+def two_level_segment(layers: int) -> int:
+    """The segment two-level recomputation takes (finetune/model/two_level.py): about √L, which keeps the fewest
+    inputs, L/k kept and k - 1 rebuilt at a time (32 layers: 6)."""
+    return max(2, round(layers ** 0.5))
+
+
 def least_recomputation(cfg: dict[str, Any], seq_len: int, tilings: list[bool],
                         recompute_layers: int | None = None) -> list[tuple[str, int | None, bool]]:
     """(checkpointing, recomputed layers under selective, tiled MLP) on the GPU, the least repeated forward work first:
     none, selective 1, 2, ... layers (or the recipe's count), full; tiled variants where their cost falls, untiled
-    first at equal cost."""
+    first at equal cost. (Two-level recomputation repeats more than any of them and more than a second GPU per row
+    costs: the planner tries it after every degree, before the layer inputs go to CPU memory.)"""
     layers = cfg["num_hidden_layers"]
     layer, mlp = forward_flops_per_token(cfg, seq_len)
     counts = [recompute_layers] if recompute_layers else list(range(1, layers))
@@ -78,6 +85,7 @@ def least_recomputation(cfg: dict[str, Any], seq_len: int, tilings: list[bool],
     return [(c, k, tiled) for c, k, tiled, _ in options]
 
 
-def offload_options(tilings: list[bool]) -> list[tuple[str, int | None, bool]]:
-    """Checkpointing with the layers' inputs in CPU memory: only when nothing on the GPU fits."""
-    return [("offload", None, tiled) for tiled in tilings]
+def offload_options(tilings: list[bool], layers: int) -> list[tuple[str, int | None, bool]]:
+    """Checkpointing with the layers' inputs in CPU memory: only when nothing on the GPU fits; then with two-level
+    recomputation, one input per segment in CPU memory, where the node's memory holds no more."""
+    return [("offload", segment, tiled) for segment in (None, two_level_segment(layers)) for tiled in tilings]

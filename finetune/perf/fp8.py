@@ -11,6 +11,7 @@ its GEMM reduces, so one outlier costs the precision of its own row only. W gets
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -98,20 +99,26 @@ def _compiled_quantize():
 
 class _LastInput:
     """The last input the forward quantized, with its quantization: q, k and v (and gate and up) are given the same
-    tensor, which is then quantized once for the three (twice). The tensor itself is held, so its identity cannot pass
-    to another tensor while it is here; its version counter tells an in-place change apart."""
+    tensor, which is then quantized once for the three (twice). The tensor is held by a weak reference, so the cache
+    never keeps an activation alive (a long row's MLP input is many GiB), and its quantization goes with it; while it
+    lives its identity is its own, and its version counter tells an in-place change apart."""
 
     def __init__(self):
-        self.x = self.version = self.value = None
+        self.ref = self.version = self.value = None
 
     def quantize(self, x: torch.Tensor, quantize) -> tuple[torch.Tensor, torch.Tensor]:
-        if not (self.x is x and self.version == x._version and self.value[2] is quantize):
+        hit = self.ref is not None and self.ref() is x and self.version == x._version and self.value[2] is quantize
+        if not hit:
             x_q, x_scale = quantize(x.reshape(-1, x.shape[-1]))
-            self.x, self.version, self.value = x, x._version, (x_q, x_scale, quantize)
+            self.ref, self.version, self.value = weakref.ref(x, self._dropped), x._version, (x_q, x_scale, quantize)
         return self.value[0], self.value[1]
 
+    def _dropped(self, ref) -> None:
+        if ref is self.ref:
+            self.clear()
+
     def clear(self) -> None:
-        self.x = self.version = self.value = None
+        self.ref = self.version = self.value = None
 
 
 LAST_INPUT = _LastInput()

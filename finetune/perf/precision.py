@@ -16,7 +16,7 @@ bf16.
 
 `auto` is FP8 only on GPUs with FP8 tensor cores (compute capability 8.9+) in a bf16 run, only for the kinds of run
 (LoRA, full) whose quality gate passed (benchmarks/precision.py, docs/performance.md), and only for micro-batches
-large enough for FP8 to be faster (AUTO_MIN_TOKENS) of rows the gate measured (AUTO_MAX_SEQ_LEN); elsewhere bf16. An
+large enough for FP8 to be faster (AUTO_MIN_TOKENS) of rows the gate ran (AUTO_MAX_SEQ_LEN); elsewhere bf16. An
 explicit `fp8` runs anywhere: on a CPU the GEMMs are the FP8 reference (exact fp32 products of the FP8 values), which is
 what the tests check, and no faster.
 """

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from finetune import dist
-from finetune.memory import budget
+from finetune.memory import budget, node
 from finetune.config import ConfigError, load_recipe
 from finetune.ds_config import resolve_ds_config
 from finetune.memory.estimate import FIT_FRACTION, GIB, SHIPPED, SPEED_ORDER, estimate_run
@@ -63,7 +63,7 @@ def test_plan_is_the_first_option_that_fits(kind, world, gib):
         peak, cpu = _peak(recipe, path, world, checkpointing, mbs, k)
         chosen = (os.path.basename(path), checkpointing, mbs, k) == (os.path.basename(plan.deepspeed),
                                                                      plan.activation_checkpointing,
-                                                                     plan.micro_batch_size, plan.recompute_layers)
+                                                                     plan.micro_batch_size, plan.recompute)
         if chosen:
             assert peak <= FIT_FRACTION * gib * GIB and cpu <= NODE_RAM
             assert plan.estimated_gib == pytest.approx(peak / GIB)
@@ -136,12 +136,12 @@ def test_host_memory_refuses_and_warns(tmp_path):
     meminfo.write_text("MemTotal:       100000000 kB\nMemFree:  1 kB\nMemAvailable:    50000000 kB\n")
     row = {"config": "ZeRO-3 + offload opt", "cpu": 30 * GIB}
     no_cgroup = str(tmp_path / "no-cgroup")
-    assert budget.host_memory(str(meminfo), no_cgroup) == (100000000 * 1024, 50000000 * 1024)
+    assert node.host_memory(str(meminfo), no_cgroup) == (100000000 * 1024, 50000000 * 1024)
     (tmp_path / "cgroup").mkdir()
     (tmp_path / "cgroup" / "memory.max").write_text(f"{40 * GIB}\n")  # a container's limit caps both
-    assert budget.host_memory(str(meminfo), str(tmp_path / "cgroup")) == (40 * GIB, 40 * GIB)
+    assert node.host_memory(str(meminfo), str(tmp_path / "cgroup")) == (40 * GIB, 40 * GIB)
     (tmp_path / "cgroup" / "memory.max").write_text("max\n")
-    assert budget.host_memory(str(meminfo), str(tmp_path / "cgroup"))[0] == 100000000 * 1024
+    assert node.host_memory(str(meminfo), str(tmp_path / "cgroup"))[0] == 100000000 * 1024
 
     total, available = 95 * GIB, 48 * GIB
     assert budget.check_host_memory(row, 1, total, available) is None
@@ -158,9 +158,9 @@ def test_host_memory_refuses_and_warns(tmp_path):
 def test_ranks_per_node_from_the_launcher(monkeypatch):
     for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
         monkeypatch.delenv(key, raising=False)
-    assert budget.ranks_per_node(16) == 16
+    assert node.ranks_per_node(16) == 16
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "8")
-    assert budget.ranks_per_node(16) == 8
+    assert node.ranks_per_node(16) == 8
 
 
 def test_auto_without_budget_or_gpu_says_what_to_set(tmp_path, monkeypatch):
@@ -323,16 +323,19 @@ def _plan(recipe, world: int, gib: float, ram: float = 512 * GIB, per_node: int 
 
 def test_sequence_parallel_only_when_one_gpu_does_not_fit_and_offload_last():
     """LoRA at 262K tokens on 80 GiB GPUs: nothing fits one GPU on the GPU alone, so the plan splits each row over 2
-    ranks and says why; with the degree fixed at 1, checkpoint offload (layer inputs in CPU memory) is the way; at 32K
-    nothing is split."""
+    ranks and says why; with the degree fixed at 1, two-level recomputation on the GPU; on 48 GiB GPUs, checkpoint
+    offload (layer inputs in CPU memory) is the way; at 32K nothing is split."""
     plan = _plan(_long("lora", 262144), 8, 80)
     assert (plan.sequence_parallel, plan.tiled_mlp, plan.activation_checkpointing != "offload") == (2, "on", True)
     summary = plan.summary()
     assert summary.startswith("memory plan (80 GiB per GPU, fits at <= 90%): ds_configs/")
     assert "262,144-token rows: sequence parallel 2, tiled MLP on, layer inputs in CPU memory: no" in summary
     assert "sequence parallel 2: 262,144 tokens per row do not fit one GPU (est. " in summary and "> 72 GiB)" in summary
-    one = _plan(_long("lora", 262144, "train.sequence_parallel=1"), 8, 80)
-    assert (one.sequence_parallel, one.activation_checkpointing) == (1, "offload")
+    two_level = _plan(_long("lora", 262144, "train.sequence_parallel=1"), 8, 80)
+    assert (two_level.activation_checkpointing, two_level.recompute_segment, two_level.recompute) == ("full", 6, 6)
+    assert "activation checkpointing full, two-level (segments of 6 layers)" in two_level.summary()
+    one = _plan(_long("lora", 262144, "train.sequence_parallel=1"), 8, 48)
+    assert (one.sequence_parallel, one.activation_checkpointing, one.recompute_segment) == (1, "offload", None)
     assert one.cpu_activations_gib_per_node == pytest.approx(8 * 32 * 262144 * 4096 * 2 / GIB)
     assert "layer inputs in CPU memory (checkpointing offload): nothing fits on the GPU (smallest est." in one.summary()
     assert _plan(_long("lora", 32768), 8, 80).sequence_parallel == 1
@@ -371,8 +374,13 @@ def test_checkpoint_offload_needs_the_host_memory():
     """Layer inputs in pinned CPU memory count against the node like offloaded optimizer states: too little RAM and
     offload is not an option; an explicit offload run is checked before it starts."""
     with pytest.raises(ConfigError) as e:
-        _plan(_long("lora", 262144, "train.sequence_parallel=1"), 8, 80, ram=64 * GIB)
-    assert "nothing fits 90% of it" in str(e.value)
+        _plan(_long("lora", 262144, "train.sequence_parallel=1"), 8, 48, ram=64 * GIB)
+    assert "nothing fits 90% of it" in str(e.value)  # both figures: the GPU's and the node's
+    assert " GiB per GPU" in str(e.value) and "CPU memory for offloading: 64 GiB per node" in str(e.value)
+    # where the node holds one input per segment but not one per layer: offload with two-level recomputation
+    host_aware = _plan(_long("lora", 262144, "train.sequence_parallel=1"), 8, 56, ram=200 * GIB)
+    assert (host_aware.activation_checkpointing, host_aware.recompute_segment) == ("offload", 6)
+    assert host_aware.cpu_activations_gib_per_node == pytest.approx(8 * 6 * 262144 * 4096 * 2 / GIB)
     recipe = _long("lora", 262144, "model.activation_checkpointing=offload", "model.tiled_mlp='on'")
     ds = resolve_ds_config(os.path.join(ROOT, "ds_configs", "zero2.json"), recipe, 8, 4096)
     row = estimate_run(MISTRAL, recipe, ds, 8, cuda=True)
@@ -380,6 +388,21 @@ def test_checkpoint_offload_needs_the_host_memory():
     with pytest.raises(ConfigError) as e:
         budget.check_host_memory(row, 8, 256 * GIB, None)
     assert "offloads 512 GiB per node to CPU memory (8 rank(s) x 64.0 GiB)" in str(e.value)
+
+
+def test_half_a_million_tokens_plan_two_level_recomputation_on_one_h200():
+    """LoRA at 524,288 tokens per row on one H200: nothing with every layer's input kept fits; two-level recomputation
+    (segments of 6 of the 32 layers) with the tiled MLP does, and the recipe the run gets says so."""
+    recipe = _long_row(524288)
+    plan = budget.plan_memory(recipe, MISTRAL, "auto", 1, 139.8, 128 * GIB, 1, cuda=True)
+    assert (plan.deepspeed, plan.activation_checkpointing, plan.recompute_segment, plan.tiled_mlp,
+            plan.sequence_parallel) == ("ds_configs/zero2.json", "full", 6, "on", 1)
+    assert plan.estimated_gib < 0.9 * 139.8
+    chosen = budget.with_memory_choice(recipe, plan.activation_checkpointing, plan.micro_batch_size, plan.grad_accum,
+                                       plan.recompute, plan.tiled_mlp == "on", plan.sequence_parallel)
+    assert (chosen.model.activation_checkpointing, chosen.model.recompute_segment) == ("full", 6)
+    plain = budget.with_memory_choice(chosen, "selective", 1, 1, 29)  # a segment only where every layer recomputes
+    assert (plain.model.recompute_layers, plain.model.recompute_segment) == (29, None)
 
 
 def test_fit_puts_the_long_row_choices_in_the_recipe(monkeypatch, capsys):

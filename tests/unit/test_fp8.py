@@ -171,3 +171,21 @@ def test_cpu_scaled_mm_equals_the_reference(out_dtype):
     _assert_close(fp8._scaled_mm(a_q, a_scale, b_q, b_scale, out_dtype), reference, atol=1e-5)
     assert torch.equal(scaled_matmul(a_q, a_scale, b_q, b_scale, out_dtype), reference)
     assert reference.dtype == out_dtype and reference.shape == (40, 32)
+
+
+def test_the_shared_input_quantization_keeps_no_activation_alive():
+    """q/k/v share one quantization of their input (fp8.LAST_INPUT), held only while that input lives: a long row's
+    activation is not kept past its layer by the cache, and a new tensor never reuses an old one's quantization."""
+    import gc
+    import weakref
+
+    x, w, _, _ = _layer()
+    w_q, w_scale = quantize_weight(w)
+    first = fp8.fp8_linear(x, w_q, w_scale)
+    assert torch.equal(fp8.fp8_linear(x, w_q, w_scale), first)
+    alive = weakref.ref(x)
+    del x
+    gc.collect()
+    assert alive() is None and fp8.LAST_INPUT.value is None
+    x2 = _layer(seed=1)[0]
+    assert not torch.equal(fp8.fp8_linear(x2, w_q, w_scale), first)

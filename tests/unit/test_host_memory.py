@@ -21,7 +21,7 @@ import pytest
 from finetune.config import ConfigError, load_recipe
 from finetune.ds_config import resolve_ds_config
 from finetune.memory import host
-from finetune.memory.budget import host_memory
+from finetune.memory.node import host_memory
 from finetune.memory.estimate import GIB, estimate_run
 from tests.fixtures.model_shapes import MISTRAL
 from tests.helpers import ROOT, loopback_env
