@@ -47,6 +47,12 @@ def quantize_weight(weight: torch.Tensor, quantize=None) -> tuple[torch.Tensor, 
     return w_q.contiguous(), w_scale  # contiguous: scaled_matmul reads w_q as a row-major [N, K]
 
 
+def frozen_weight(weight: torch.Tensor, w_scale: torch.Tensor | None, quantize=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A frozen base's (w_q, w_scale): with w_scale, `weight` is its kept FP8 copy (ZeRO-0/1/2), as given; without,
+    `weight` is a ZeRO-3 layer's gathered weight, quantized now (finetune/perf/precision.py)."""
+    return (weight, w_scale) if w_scale is not None else quantize_weight(weight, quantize)
+
+
 def _dequantized_matmul(a_q, a_scale, b_q, b_scale, out_dtype: torch.dtype) -> torch.Tensor:
     """The reference: (a_q·a_scale) @ (b_q·b_scale)ᵀ in fp32, rounded once to out_dtype. Widening e4m3 to fp32 is
     exact, so the operands differ from the exact dequantized values by one fp32 rounding (of the product with the
@@ -153,21 +159,20 @@ class Fp8BaseLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_q, w_scale, bias=None, quantize=quantize_rows, weight=None):
-        if weight is not None:
-            w_q, w_scale = quantize_weight(weight, quantize)
+        base = (weight, None) if weight is not None else (w_q, w_scale)  # what frozen_weight takes
+        w_q, w_scale = frozen_weight(*base, quantize)
         y = fp8_linear(x, w_q, w_scale, quantize)
         if bias is not None:
             y = y + bias.to(y.dtype)
         # Kept: the weight (held by its layer anyway) and x's shape. Not x: only W's gradient would read it.
-        ctx.save_for_backward(*((weight,) if weight is not None else (w_q, w_scale)))
+        ctx.save_for_backward(*base)
         ctx.x_shape, ctx.quantize = x.shape, quantize
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y.reshape(*x.shape[:-1], w_q.shape[0])
 
     @staticmethod
     def backward(ctx, grad_y):
-        saved = ctx.saved_tensors
-        w_q, w_scale = quantize_weight(saved[0], ctx.quantize) if len(saved) == 1 else saved
+        w_q, w_scale = frozen_weight(*ctx.saved_tensors, ctx.quantize)
         g = grad_y.reshape(-1, grad_y.shape[-1])
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:

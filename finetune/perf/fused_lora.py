@@ -38,7 +38,7 @@ class LoraLinearFunction(torch.autograd.Function):
         if quantize is None:
             y = F.linear(x2, weight, bias)
         else:  # an FP8 base (finetune/perf/precision.py): weight is its w_q, or with no w_scale the bf16 weight
-            y = fp8.fp8_linear(x, *_fp8_weight(weight, w_scale, quantize), quantize)
+            y = fp8.fp8_linear(x, *fp8.frozen_weight(weight, w_scale, quantize), quantize)
             if bias is not None:
                 y += bias.to(y.dtype)
         mask = seed = None
@@ -67,7 +67,7 @@ class LoraLinearFunction(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = (grad2 @ weight if ctx.quantize is None
-                      else fp8.fp8_input_grad(grad2, *_fp8_weight(weight, w_scale, ctx.quantize), ctx.quantize))
+                      else fp8.fp8_input_grad(grad2, *fp8.frozen_weight(weight, w_scale, ctx.quantize), ctx.quantize))
         grad_a = None
         if seed is not None:  # one pass through x and grad_x for both, the mask drawn once
             if grad_x is not None or ctx.needs_input_grad[3]:
@@ -89,10 +89,6 @@ class LoraLinearFunction(torch.autograd.Function):
             grad_b = (grad2.t() @ low_rank).mul_(ctx.scaling)
         return grad_x, None, None, grad_a, grad_b, None, None, None, None, None
 
-
-def _fp8_weight(weight: torch.Tensor, w_scale: torch.Tensor | None, quantize) -> tuple[torch.Tensor, torch.Tensor]:
-    """An FP8 base's (w_q, w_scale): kept ones as given, or a ZeRO-3 layer's gathered weight quantized now."""
-    return (weight, w_scale) if w_scale is not None else fp8.quantize_weight(weight, quantize)
 
 
 def _fusable(layer, x: torch.Tensor, args, kwargs) -> bool:
