@@ -74,7 +74,7 @@ def run_zerotune(kind: str, length: int, a: argparse.Namespace) -> dict:
     seconds = sum(r["step_time_s"] for r in timed)
     return {**result, "tokens_per_s_per_gpu": sum(r["tokens"] for r in timed) / seconds,
             "step_time_s": seconds / len(timed), "peak_mem_gib": max(r["peak_mem_gib"] for r in steps),
-            "losses": [r["loss"] for r in steps]}
+            "peak_host_gib": max(r.get("peak_host_gib", 0.0) for r in steps), "losses": [r["loss"] for r in steps]}
 
 
 def run_peer(kind: str, length: int, a: argparse.Namespace) -> dict:

@@ -30,7 +30,7 @@ from finetune.perf.profiling import phase, step_profiler
 from finetune.prepare import Run
 from finetune.run import preempt
 from finetune.run.activity import ACTIVITY
-from finetune.run.metrics import peak_memory_gib, peak_reserved_gib, peak_tflops, training_flops
+from finetune.run.metrics import peak_host_gib, peak_memory_gib, peak_reserved_gib, peak_tflops, training_flops
 
 
 class TrainingError(RuntimeError):
@@ -86,6 +86,8 @@ class StepResult:
     """A float or 0-d tensor; None where nothing computed it."""
     peak_gib: float
     reserved_gib: float
+    host_gib: float = 0.0
+    """Peak resident host memory of the largest rank's process (checkpoint offload, pinned buffers, CPU Adam)."""
     stats: dict[str, float] | None = None
     """A preference step's STATS summed over its pairs (finetune/model/preference.py); None for sft."""
     stop: str = ""
@@ -158,9 +160,10 @@ def train_step(loop: Loop, step: int, upcoming: tuple | None) -> tuple[StepResul
     seconds = time.perf_counter() - start
     if not loop.own_clipping:
         grad_norm = engine.get_global_grad_norm()
-    peak_gib, reserved_gib = dist.all_reduce_max_each([peak_memory_gib(), peak_reserved_gib()])
-    result = StepResult(lr, loss_sum, n_targets, tokens, flops, seconds, grad_norm, peak_gib, reserved_gib, stats,
-                        preempt.agreed(votes))
+    peak_gib, reserved_gib, host_gib = dist.all_reduce_max_each([peak_memory_gib(), peak_reserved_gib(),
+                                                                 peak_host_gib()])
+    result = StepResult(lr, loss_sum, n_targets, tokens, flops, seconds, grad_norm, peak_gib, reserved_gib, host_gib,
+                        stats, preempt.agreed(votes))
     return result, ((following, next_targets) if following is not None else None)
 
 
@@ -179,6 +182,7 @@ def step_record(step: int, s: StepResult, world: int, peak_tflops: float | None)
         "step_time_s": s.seconds,
         "peak_mem_gib": s.peak_gib,
         "peak_reserved_gib": s.reserved_gib,
+        "peak_host_gib": s.host_gib,
     }
     if s.stats is not None:
         pairs = max(s.n_targets, 1.0)

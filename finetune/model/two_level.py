@@ -112,8 +112,10 @@ def segment_checkpoints(recomputed: list[int], segment: int, checkpoint: Callabl
                 def unpack(packed):
                     kind, value = packed
                     return value if kind == "other" else value.input_of(i)
-            # transformers checkpoints partial(forward, layer, **kwargs): the replay calls the layer itself (hooks)
-            seg.calls[i] = (function.args[0], args[1:], function.keywords, _rng_state(device), device)
+            # transformers checkpoints partial(forward, layer, **kwargs), the replay calls the layer itself (hooks);
+            # older versions checkpoint partial(nn.Module.__call__ bound to the layer, **kwargs), hooks included
+            module = function.args[0] if function.args else function.func
+            seg.calls[i] = (module, args[1:], function.keywords, _rng_state(device), device)
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 return checkpoint(function, *args, **kwargs)
 

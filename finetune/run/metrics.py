@@ -70,7 +70,7 @@ def peak_memory_gib() -> float:
 
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return peak_host_gib()
 
 
 def peak_reserved_gib() -> float:
@@ -79,6 +79,12 @@ def peak_reserved_gib() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_reserved() / 2**30
     return peak_memory_gib()
+
+
+def peak_host_gib() -> float:
+    """Peak resident host memory of this process (KiB on Linux): what checkpoint offload, pinned buffers and CPU Adam
+    took from the node."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def _duration(seconds: float) -> str:

@@ -45,7 +45,7 @@ def test_step_record_has_the_keys_of_metrics_jsonl():
                         peak_gib=1.5, reserved_gib=2.0)
     record = step_record(3, result, world=2, peak_tflops=None)
     assert list(record) == ["step", "loss", "lr", "grad_norm", "tokens", "target_tokens", "tokens_per_s",
-                            "tokens_per_s_per_gpu", "mfu", "step_time_s", "peak_mem_gib", "peak_reserved_gib"]
+                            "tokens_per_s_per_gpu", "mfu", "step_time_s", "peak_mem_gib", "peak_reserved_gib", "peak_host_gib"]
     assert record["loss"] == 3.0 and record["tokens_per_s_per_gpu"] == 10.0 and record["mfu"] is None
     assert step_record(3, result, world=2, peak_tflops=1.0)["mfu"] == pytest.approx(2.0)
 

@@ -89,6 +89,31 @@ def test_a_layer_called_with_hidden_states_by_keyword_keeps_one_input_per_segmen
     assert runs == [2, 1, 2, 1, 1]
 
 
+def test_a_layer_checkpointed_through_its_bound_call_as_older_transformers_do():
+    """Older transformers versions checkpoint partial(nn.Module.__call__ bound to the layer, **kwargs) with
+    hidden_states positional: the rebuild replays that bound call (hooks included), not the layer's own __call__, which
+    would checkpoint again."""
+    from functools import partial
+
+    from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
+
+    class OlderLayer(MistralDecoderLayer):
+        def __call__(self, *args, **kwargs):
+            if self.gradient_checkpointing and self.training:
+                return self._gradient_checkpointing_func(partial(torch.nn.Module.__call__.__get__(self), **kwargs), *args)
+            return torch.nn.Module.__call__(self, *args, **kwargs)
+
+    OlderLayer.forward = getattr(MistralDecoderLayer.forward, "__wrapped__", MistralDecoderLayer.forward)
+    model = _model(lora=True, dropout=0.3)
+    ref_loss, ref, _ = _step(_model(lora=True, dropout=0.3), None)
+    for layer in _base(model).model.layers:
+        layer.__class__ = OlderLayer
+    loss, grads, runs = _step(model, 2)
+    assert loss == ref_loss and all(torch.equal(grads[n], ref[n]) for n in ref)
+    # through the module's call: forward, the rebuild (layers 0 and 2) and the checkpoint's recompute of every layer
+    assert runs == [3, 2, 3, 2, 2]
+
+
 def test_one_hidden_state_is_kept_per_segment():
     """What the checkpoints save for their layers' inputs: the first of each segment the tensor, the others a handle."""
     saved = []
