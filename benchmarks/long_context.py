@@ -35,7 +35,8 @@ sys.path.insert(0, ROOT)
 from benchmarks.vs_peer import launch, versions  # noqa: E402
 from finetune.run.metrics import read_metrics  # noqa: E402
 
-SYSTEMS = ("zerotune", "peer")
+SYSTEMS = ("zerotune", "peer", "alst")
+LABELS = {"zerotune": "zerotune, defaults", "peer": "HF Trainer + DeepSpeed", "alst": "DeepSpeed ALST parts"}
 
 
 def write_documents(path: str, length: int, count: int) -> str:
@@ -90,6 +91,22 @@ def run_peer(kind: str, length: int, a: argparse.Namespace) -> dict:
     measured = json.load(open(out + ".json"))
     return {**result, "tokens_per_s_per_gpu": measured["tokens_per_s_per_gpu"], "step_time_s": measured["step_time_s"],
             "peak_mem_gib": measured["peak_mem_gib"]}
+
+
+def run_alst(kind: str, length: int, a: argparse.Namespace) -> dict:
+    """DeepSpeed's own long-sequence parts (benchmarks/peer_alst.py): tiled MLP, tiled logits loss, offloaded
+    checkpoints, liger, on the same one row of `length` tokens."""
+    out = os.path.join(a.out, f"alst_{kind}_{length}")
+    script = ["benchmarks/peer_alst.py", "--model", a.model, "--seq", str(length), "--steps", str(a.steps),
+              "--skip", str(a.skip), "--out", out + ".json"] + (["--lora"] if kind == "lora" else [])
+    code, tail, wall = launch(script, 1, out + ".log", a.run_timeout)
+    result = {"system": "alst", "kind": kind, "length": length, "exit": code, "wall_s": wall,
+              "settings": "ZeRO-2, SDPA, TiledMLP, TiledFusedLogitsLoss, offloaded checkpoints, liger"}
+    if code != 0 or not os.path.exists(out + ".json"):
+        return {**result, "error": _why(code, tail, a.run_timeout)}
+    measured = json.load(open(out + ".json"))
+    return {**result, **{k: measured[k] for k in ("tokens_per_s_per_gpu", "step_time_s", "peak_mem_gib",
+                                                  "peak_host_gib", "losses")}}
 
 
 def _plan(log: str) -> str:
@@ -160,8 +177,8 @@ def plot(results: list[dict], path: str) -> None:
                           if r["system"] == system and r["kind"] == kind and "tokens_per_s_per_gpu" in r)
             if not done:
                 continue
-            label = f"{'zerotune, defaults' if system == 'zerotune' else 'HF Trainer + DeepSpeed'} ({kind})"
-            style = "-o" if system == "zerotune" else "--s"
+            label = f"{LABELS[system]} ({kind})"
+            style = {"zerotune": "-o", "peer": "--s", "alst": ":^"}[system]
             left.plot([d[0] for d in done], [d[1] for d in done], style, label=label)
             right.plot([d[0] for d in done], [d[2] for d in done], style, label=label)
     for ax, ylabel in ((left, "tokens/s per GPU"), (right, "peak GPU memory, GiB")):
@@ -181,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="saved Mistral-7B-shaped model folder (bf16)")
     p.add_argument("--tokenizer", default="mistral-common")
     p.add_argument("--out", default="runs/long_context")
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--systems", nargs="+", default=["zerotune", "peer"], choices=SYSTEMS,
+                   help="alst: DeepSpeed's long-sequence parts (benchmarks/peer_alst.py)")
     p.add_argument("--kinds", nargs="+", default=["lora"], choices=["lora", "full"])
     p.add_argument("--lengths", nargs="+", type=int, help="measure only these tokens per row (no ladder)")
     p.add_argument("--start", type=int, default=8192)
@@ -222,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"--stop-after {a.stop_after:g} s: the rest is left for --resume", flush=True)
                     print(table(results))
                     return 3
-                r = (run_zerotune if system == "zerotune" else run_peer)(kind, length, a)
+                r = {"zerotune": run_zerotune, "peer": run_peer, "alst": run_alst}[system](kind, length, a)
                 results.append(r)
                 print(f"{system} {kind} {length}: " + (
                     f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU, {r['peak_mem_gib']:.1f} GiB"

@@ -208,7 +208,8 @@ def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: in
     recompute += d * i if fused_mlp else 0  # and one layer's MLP product
     rope = 2 * d * (q // heads(config_dict)[0])  # cos and sin, shared by every layer
     lm_head_trained = lora is None or "lm_head" in lora["targets"]
-    final_norm = 4 * h + 4 + (2 * d * h if lm_head_trained and not fused_loss else 0)
+    # the final norm saves what a layer's does: its 16-bit input and rstd under liger, else an fp32 copy
+    final_norm = (d * h if liger else 4 * h) + 4 + (2 * d * h if lm_head_trained and not fused_loss else 0)
     ids = 8 if lora is None else 0  # the embedding's backward needs the token ids
     block_mask = 0.0
     if attn == "flex":  # one block mask per micro-batch, the whole rows' on every rank
@@ -249,7 +250,16 @@ def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: in
         saved = [(d * h if j % segment == 0 else 0) if j in chosen else (first if j == 0 else per_layer)
                  for j in range(layers)]
         held_before = [tokens * (sum(saved[:j]) - saved_layers) for j in range(layers)]  # relative to all layers
-    layer_backward = max(max(held_before) + own + grads, grads) + tokens * rebuilt
+    if segment > 1 and checkpointing == "full":
+        # Backward through segment s holds the kept inputs of segments <= s (later ones are freed) and s's other
+        # inputs, rebuilt at once; the layer recomputed first is the segment's last, whose rebuilt input is the one
+        # its input norm saves under liger (own counts it again).
+        lengths = [min(segment, layers - start) for start in range(0, layers, segment)]
+        shared = d * h if liger else 0
+        extra = max((n - 1 - (len(lengths) - 1 - s)) * d * h - (shared if n > 1 else 0) for s, n in enumerate(lengths))
+        layer_backward = max(tokens * extra + own + grads, grads)
+    else:
+        layer_backward = max(max(held_before) + own + grads, grads) + tokens * rebuilt
     # The caching allocator serves a multi-GiB request only from a free block as large: beside an untiled MLP's
     # [tokens, intermediate] tensors of a long row, one such block stays reserved but unused (an untiled 262,144-token
     # row ran out of memory with that much reserved and free).

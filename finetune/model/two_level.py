@@ -63,9 +63,15 @@ class _Segment:
         return self.rebuilt.pop(i)
 
 
-def _is(t: torch.Tensor, hidden: torch.Tensor) -> bool:
-    """Whether the tensor a hook is given is the layer's hidden-state argument (the checkpoint may save a view)."""
-    return t is hidden or (t.data_ptr() == hidden.data_ptr() and t.shape == hidden.shape and t.dtype == hidden.dtype)
+def _key(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.shape, t.dtype
+
+
+def _is(t: torch.Tensor, hidden: tuple) -> bool:
+    """Whether the tensor a hook is given is the layer's hidden-state argument, known by its _key (the checkpoint may
+    save a view). Only the key: autograd keeps the hooks with what they saved until backward, so a hook that held the
+    tensor itself would keep every layer's input alive, which is what the segments are there to drop."""
+    return _key(t) == hidden
 
 
 def segment_checkpoints(recomputed: list[int], segment: int, checkpoint: Callable,
@@ -87,9 +93,9 @@ def segment_checkpoints(recomputed: list[int], segment: int, checkpoint: Callabl
                 keywords = dict(function.keywords)
                 args = (keywords.pop("hidden_states"),)
                 function = partial(function.func, *function.args, **keywords)
-            hidden, device = args[0], args[0].device
+            hidden, device = _key(args[0]), args[0].device
             if starts[i] == i:
-                seg = state["open"] = _Segment(i, to_host(hidden) if offload else hidden)
+                seg = state["open"] = _Segment(i, to_host(args[0]) if offload else args[0])
 
                 def pack(t):
                     if _is(t, hidden):

@@ -63,7 +63,8 @@ def one_case(case: dict) -> dict:
     run = prepare(case["config"], case["deepspeed"], case["overrides"])
     result = {"zero_optimization": run.ds["zero_optimization"], "micro_batch_size": run.recipe.train.micro_batch_size,
               "grad_accum": run.recipe.train.grad_accum,
-              "activation_checkpointing": run.recipe.model.activation_checkpointing}
+              "activation_checkpointing": run.recipe.model.activation_checkpointing,
+              "sequence_parallel": run.recipe.train.sequence_parallel}
     checks = [swap_files(run.ds, result), fused_mlps(result)]
     if run.recipe.lora.enabled:
         checks.append(lora_check(run.recipe.model.path, result))

@@ -403,6 +403,9 @@ def test_half_a_million_tokens_plan_two_level_recomputation_on_one_h200():
     assert (chosen.model.activation_checkpointing, chosen.model.recompute_segment) == ("full", 6)
     plain = budget.with_memory_choice(chosen, "selective", 1, 1, 29)  # a segment only where every layer recomputes
     assert (plain.model.recompute_layers, plain.model.recompute_segment) == (29, None)
+    # what ran on the H200 (docs/benchmarks/2026-12-03-h200-half-a-million-tokens.md): 93.29 GiB allocated at its peak
+    ds = resolve_ds_config(os.path.join(ROOT, "ds_configs", "zero2.json"), chosen, 1, MISTRAL["hidden_size"])
+    assert estimate_run(MISTRAL, chosen, ds, 1, cuda=True)["total"] / GIB == pytest.approx(93.29, rel=0.10)
 
 
 def test_fit_puts_the_long_row_choices_in_the_recipe(monkeypatch, capsys):

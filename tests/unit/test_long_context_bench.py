@@ -81,6 +81,28 @@ def test_zerotune_gets_the_recipe_auto_and_the_work_only(monkeypatch, tmp_path):
     assert beyond[-1] == ("model.rope_scaling={rope_type: yarn, factor: 4, original_max_position_embeddings: 4096}")
 
 
+def test_the_alst_peer_runs_deepspeeds_parts_on_the_same_row_and_shares_the_table(monkeypatch, tmp_path):
+    launched = []
+
+    def fake_launch(script, gpus, log, timeout, env=None):
+        launched.append((script, gpus))
+        out = script[script.index("--out") + 1]
+        with open(out, "w") as f:
+            json.dump({"tokens_per_s_per_gpu": 4000.0, "step_time_s": 32.77, "peak_mem_gib": 70.5,
+                       "peak_host_gib": 40.0, "losses": [10.4, 10.3, 10.2]}, f)
+        return 0, "", 100.0
+
+    monkeypatch.setattr(long_context, "launch", fake_launch)
+    a = long_context.main.__globals__["argparse"].Namespace(model="/tmp/init", out=str(tmp_path), steps=3, skip=1,
+                                                           run_timeout=60)
+    r = long_context.run_alst("lora", 131072, a)
+    (script, gpus), = launched
+    assert gpus == 1 and script[0] == "benchmarks/peer_alst.py" and "--lora" in script
+    assert script[script.index("--seq") + 1] == "131072" and script[script.index("--steps") + 1] == "3"
+    assert r["tokens_per_s_per_gpu"] == 4000.0 and r["peak_host_gib"] == 40.0
+    assert "| alst | lora | 131,072 | 4,000 | 32.77 | 70.5 |  | |" in long_context.table([r])
+
+
 def test_a_failure_says_why():
     assert long_context._why(124, "", 300) == "time limit (300 s)"
     assert long_context._why(1, "torch.OutOfMemoryError: CUDA out of memory.", 300).startswith("out of memory")

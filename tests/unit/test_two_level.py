@@ -114,6 +114,29 @@ def test_a_layer_checkpointed_through_its_bound_call_as_older_transformers_do():
     assert runs == [3, 2, 3, 2, 2]
 
 
+@pytest.mark.parametrize("offload", [False, True], ids=["kept", "offload"])
+def test_after_forward_only_each_segments_first_input_is_alive(offload):
+    """What the memory saving rests on: between forward and backward nothing holds the inputs of a segment's later
+    layers (autograd keeps the saved-tensor hooks until backward, so they must not hold them either). Under offload the
+    first input lives on in CPU memory only, a copy; the layer's own input tensor is freed too."""
+    import weakref
+
+    model = _model(lora=True, dropout=0.3)
+    base = _base(model)
+    _enable_checkpointing(base, list(range(LAYERS)), offload=offload, segment=2)
+    inputs = []
+    for layer in base.model.layers:
+        layer.register_forward_pre_hook(lambda m, a, kw: inputs.append(weakref.ref(a[0] if a else kw["hidden_states"]))
+                                        if torch.is_grad_enabled() else None, with_kwargs=True)
+    model.train()
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    loss = model(input_ids=ids, labels=ids).loss
+    alive = [r() is not None for r in inputs]
+    # the CPU "copy" of a CPU tensor is the tensor itself (to_host): under offload the firsts stay alive here too
+    assert alive == [True, False, True, False, True], alive
+    loss.backward()
+
+
 def test_one_hidden_state_is_kept_per_segment():
     """What the checkpoints save for their layers' inputs: the first of each segment the tensor, the others a handle."""
     saved = []
@@ -168,8 +191,10 @@ def test_a_segment_needs_full_or_offload_and_two_layers():
 
 
 def test_the_estimate_keeps_one_input_per_segment_and_holds_a_segments_rebuilt_inputs():
-    """Mistral-7B's 32 layers at 524,288 tokens in segments of 6: 6 kept inputs instead of 32 (on the GPU under full,
-    in CPU memory under offload), and 5 rebuilt ones held while backward runs through a segment."""
+    """Mistral-7B's 32 layers at 524,288 tokens in segments of 6 (6, 6, 6, 6, 6, 2 layers): 6 kept inputs instead of 32
+    (on the GPU under full, in CPU memory under offload). Backward through the fifth segment holds the kept inputs of
+    the first five (the sixth's is freed) and its 5 rebuilt ones: 4 more than the 6 counted as kept. Under liger the
+    input norm of the layer being recomputed saves that layer's rebuilt input itself, so it is counted once: 3."""
     import json
     import os
 
@@ -180,11 +205,13 @@ def test_the_estimate_keeps_one_input_per_segment_and_holds_a_segments_rebuilt_i
         cfg = json.load(f)
     one_input = 524288 * 4096 * 2
     for lora in (None, {"enabled": True, "rank": 16, "target_modules": TARGETS}):
-        full, two = (estimate_activations(cfg, lora, 524288, 1, "full", recompute_segment=k) for k in (None, 6))
-        assert full["layers"] - two["layers"] == (32 - 6) * one_input
-        # the 5 rebuilt inputs; LoRA's count of what the layers below hold (relative to all kept inputs) gains one:
-        # under full the last layer's own input is among the kept ones, under two-level it is rebuilt
-        assert two["layer_backward"] - full["layer_backward"] == (5 if lora is None else 6) * one_input
-        assert two["total"] < full["total"] - 15 * one_input  # 26 fewer kept, 5 or 6 more held in backward
+        for liger in (False, True):
+            full, two = (estimate_activations(cfg, lora, 524288, 1, "full", liger=liger, recompute_segment=k)
+                         for k in (None, 6))
+            assert full["layers"] - two["layers"] == (32 - 6) * one_input
+            # LoRA's full checkpointing counts its last layer's input once, among the kept ones (-1 in layer_backward)
+            held = (3 if liger else 4) + (1 if lora else 0)
+            assert two["layer_backward"] - full["layer_backward"] == held * one_input, (lora, liger)
+            assert two["total"] < full["total"] - 20 * one_input  # 26 fewer kept, at most 5 more held in backward
     off_full, off_two = (estimate_activations(cfg, None, 524288, 1, "offload", recompute_segment=k) for k in (None, 6))
     assert (off_full["cpu"], off_two["cpu"]) == (32 * one_input, 6 * one_input)
