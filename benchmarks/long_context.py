@@ -78,35 +78,31 @@ def run_zerotune(kind: str, length: int, a: argparse.Namespace) -> dict:
             "peak_host_gib": max(r.get("peak_host_gib", 0.0) for r in steps), "losses": [r["loss"] for r in steps]}
 
 
-def run_peer(kind: str, length: int, a: argparse.Namespace) -> dict:
-    out = os.path.join(a.out, f"peer_{kind}_{length}")
-    script = ["benchmarks/peer_hf_trainer.py", "--model", a.model, "--zero", "2", "--micro-batch", "1",
-              "--grad-accum", "1", "--checkpointing", "on", "--liger", "on", "--seq", str(length),
-              "--steps", str(a.steps), "--skip", str(a.skip), "--out", out + ".json"] + (["--lora"] if kind == "lora" else [])
+def _run_other(system: str, kind: str, length: int, a: argparse.Namespace, script: list[str], settings: str) -> dict:
+    """One launch of a peer's script, which writes its figures to OUT.json (`--out`)."""
+    out = os.path.join(a.out, f"{system}_{kind}_{length}")
+    script = [*script, "--seq", str(length), "--steps", str(a.steps), "--skip", str(a.skip), "--out", out + ".json",
+              *(["--lora"] if kind == "lora" else [])]
     code, tail, wall = launch(script, 1, out + ".log", a.run_timeout)
-    result = {"system": "peer", "kind": kind, "length": length, "exit": code, "wall_s": wall,
-              "settings": "ZeRO-2, liger, checkpointing, micro-batch 1"}
+    result = {"system": system, "kind": kind, "length": length, "exit": code, "wall_s": wall, "settings": settings}
     if code != 0 or not os.path.exists(out + ".json"):
         return {**result, "error": _why(code, tail, a.run_timeout)}
     measured = json.load(open(out + ".json"))
-    return {**result, "tokens_per_s_per_gpu": measured["tokens_per_s_per_gpu"], "step_time_s": measured["step_time_s"],
-            "peak_mem_gib": measured["peak_mem_gib"]}
+    return {**result, **{k: measured[k] for k in ("tokens_per_s_per_gpu", "step_time_s", "peak_mem_gib",
+                                                  "peak_host_gib", "losses") if k in measured}}
+
+
+def run_peer(kind: str, length: int, a: argparse.Namespace) -> dict:
+    script = ["benchmarks/peer_hf_trainer.py", "--model", a.model, "--zero", "2", "--micro-batch", "1",
+              "--grad-accum", "1", "--checkpointing", "on", "--liger", "on"]
+    return _run_other("peer", kind, length, a, script, "ZeRO-2, liger, checkpointing, micro-batch 1")
 
 
 def run_alst(kind: str, length: int, a: argparse.Namespace) -> dict:
     """DeepSpeed's own long-sequence parts (benchmarks/peer_alst.py): tiled MLP, tiled logits loss, offloaded
     checkpoints, liger, on the same one row of `length` tokens."""
-    out = os.path.join(a.out, f"alst_{kind}_{length}")
-    script = ["benchmarks/peer_alst.py", "--model", a.model, "--seq", str(length), "--steps", str(a.steps),
-              "--skip", str(a.skip), "--out", out + ".json"] + (["--lora"] if kind == "lora" else [])
-    code, tail, wall = launch(script, 1, out + ".log", a.run_timeout)
-    result = {"system": "alst", "kind": kind, "length": length, "exit": code, "wall_s": wall,
-              "settings": "ZeRO-2, SDPA, TiledMLP, TiledFusedLogitsLoss, offloaded checkpoints, liger"}
-    if code != 0 or not os.path.exists(out + ".json"):
-        return {**result, "error": _why(code, tail, a.run_timeout)}
-    measured = json.load(open(out + ".json"))
-    return {**result, **{k: measured[k] for k in ("tokens_per_s_per_gpu", "step_time_s", "peak_mem_gib",
-                                                  "peak_host_gib", "losses")}}
+    return _run_other("alst", kind, length, a, ["benchmarks/peer_alst.py", "--model", a.model],
+                      "ZeRO-2, SDPA, TiledMLP, TiledFusedLogitsLoss, offloaded checkpoints, liger")
 
 
 def _plan(log: str) -> str:
