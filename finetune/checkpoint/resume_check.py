@@ -3,7 +3,7 @@
     listed = check(resume_from, run.resolved_config())   # ConfigError when the parameters would differ
 
 A change that alters the parameters (another model shape, full vs LoRA, another adapter rank, alpha or target
-modules) does not fit the saved state: DeepSpeed would fail deep inside load_checkpoint on mismatched shapes or,
+modules, a LoRA base's precision under ZeRO-0/1/2) does not fit the saved state: DeepSpeed would fail deep inside load_checkpoint on mismatched shapes or,
 for alpha, load it silently and train another function. Those refuse the resume with a table of the differences.
 Every other change (lr, max_steps, save cadence, logging, data) is safe: it is listed, and the run continues.
 """
@@ -67,8 +67,16 @@ def compare(saved: dict[str, Any], now: dict[str, Any]) -> tuple[list[Difference
         alters = when == "always" or (when == "lora" and lora_both)
         if key == "model.path" and (saved_shape is None or now_shape is None):
             alters = os.path.normpath(str(a)) != os.path.normpath(str(b))
+        if key == "model.precision" and lora_both:
+            # Under ZeRO-0/1/2 an FP8 LoRA base is a non-persistent FP8 copy in place of the weight, so one side's
+            # checkpoint holds base weights the other's module has no place for (ZeRO-3 keeps the 16-bit weight)
+            alters = min(_stage(saved), _stage(now)) < 3
         (refused if alters else listed).append(Difference(key, a, b))
     return refused, listed
+
+
+def _stage(config: dict[str, Any]) -> int:
+    return int(config.get("ds_config", {}).get("zero_optimization", {}).get("stage", 0))
 
 
 def check(checkpoint_path: str, now: dict[str, Any]) -> list[Difference]:

@@ -56,6 +56,24 @@ def test_adapter_changes_refuse_when_lora_is_on(override, key):
     assert _keys(refused) == [key] and listed == []
 
 
+def test_a_lora_bases_precision_refuses_below_zero3_only():
+    """An FP8 LoRA base under ZeRO-0/1/2 is a copy that replaces the weight and is not saved: a checkpoint of either
+    precision does not load into the other's module. ZeRO-3 keeps the 16-bit weight, saved either way; full
+    fine-tuning's FP8 (torchao) keeps the weights too."""
+    def at(stage, *overrides):
+        config = _config("lora.enabled=true", *overrides)
+        return {**config, "ds_config": {"zero_optimization": {"stage": stage}}}
+
+    for stage in (0, 2):
+        refused, _ = resume_check.compare(at(stage, "model.precision=fp8"), at(stage, "model.precision=bf16"))
+        assert _keys(refused) == ["model.precision"]
+    refused, listed = resume_check.compare(at(3, "model.precision=fp8"), at(3, "model.precision=auto"))
+    assert refused == [] and _keys(listed) == ["model.precision"]
+    full = [{**_config(p), "ds_config": {"zero_optimization": {"stage": 2}}} for p in ("model.precision=fp8",
+                                                                                        "model.precision=bf16")]
+    assert resume_check.compare(*full)[0] == []
+
+
 def test_model_shape_refuses_and_a_moved_model_of_the_same_shape_is_listed():
     refused, listed = resume_check.compare(_config(), _config("model.path=/elsewhere", num_hidden_layers=3))
     assert _keys(refused) == ["model num_hidden_layers (config.json)"]
