@@ -5,7 +5,8 @@
 A change that alters the parameters (another model shape, full vs LoRA, another adapter rank, alpha or target
 modules, a LoRA base's precision under ZeRO-0/1/2) does not fit the saved state: DeepSpeed would fail deep inside
 load_checkpoint on mismatched shapes or missing weights or, for alpha, load it silently and train another function.
-Those refuse the resume with a table of the differences. Every other change (lr, max_steps, save cadence, logging, data) is safe: it is listed, and the run continues.
+Those refuse the resume with a table of the differences. Every other change (lr, max_steps, save cadence, logging,
+data) is safe: it is listed, and the run continues.
 """
 
 from __future__ import annotations
