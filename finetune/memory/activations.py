@@ -245,10 +245,9 @@ def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: in
     grads = tokens * cal.RESIDUAL_GRADS * d * h + attention_backward
     own = tokens * (recompute if lora is None else per_layer + (d * i if fused_mlp and recomputed else 0))
     held_before = [0.0]
-    if lora is not None and checkpointing != "offload":  # offloaded inputs below are in CPU memory
+    if lora is not None and checkpointing != "offload" and segment == 1:  # offloaded inputs are in CPU memory
         chosen = set(recomputed_layers(checkpointing, layers, recompute_layers))
-        saved = [(d * h if j % segment == 0 else 0) if j in chosen else (first if j == 0 else per_layer)
-                 for j in range(layers)]
+        saved = [d * h if j in chosen else (first if j == 0 else per_layer) for j in range(layers)]
         held_before = [tokens * (sum(saved[:j]) - saved_layers) for j in range(layers)]  # relative to all layers
     if segment > 1 and checkpointing == "full":
         # Backward through segment s holds the kept inputs of segments <= s (later ones are freed) and s's other

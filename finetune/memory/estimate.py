@@ -162,8 +162,7 @@ def estimate_run(model_config: dict[str, Any], recipe, ds: dict[str, Any], world
     lora = recipe.lora if recipe.lora.enabled else None
     from finetune.perf import precision  # lazy, as uses_liger's import
 
-    fp8 = precision.resolve(recipe.model.precision, lora is not None, weight_bytes == 2,
-                            recipe.train.micro_batch_size * recipe.data.max_seq_len, recipe.data.max_seq_len) == "fp8"
+    fp8 = precision.of_recipe(recipe, weight_bytes == 2) == "fp8"
     states = estimate_model_states(model_config, lora, stage, world, offload_optimizer, offload_params, weight_bytes,
                                    adapter_bytes, fp8_base=fp8)
     m, seq_len = recipe.model, recipe.data.max_seq_len

@@ -86,10 +86,7 @@ def apply(model, recipe: Recipe, ds_config: dict[str, Any]) -> list[str]:
     applied = []
     if m.kernels != "none" and liger.available() is None and liger.install(model):
         applied.append("liger")
-    micro_batch_tokens = recipe.train.micro_batch_size * recipe.data.max_seq_len
-    if precision.resolve(m.precision, lora.enabled, bf16_enabled(ds_config), micro_batch_tokens,
-                         recipe.data.max_seq_len) == "fp8" and (
-            precision.install(model, lora.enabled, stage)):
+    if precision.of_recipe(recipe, bf16_enabled(ds_config)) == "fp8" and precision.install(model, lora.enabled, stage):
         applied.append("fp8")
     if lora.enabled and lora.fused and install_fused_lora(model, stage, lora.dropout_kernel):
         applied.append("fused_lora")
@@ -97,6 +94,7 @@ def apply(model, recipe: Recipe, ds_config: dict[str, Any]) -> list[str]:
             applied.append("lora_dropout_kernel")
     if m.fused_mlp and install_fused_mlp(model, stage, liger="liger" in applied):
         applied.append("fused_mlp")
+    micro_batch_tokens = recipe.train.micro_batch_size * recipe.data.max_seq_len
     if tiled_mlp.wanted(m.tiled_mlp, recipe.data.max_seq_len) and tiled_mlp.install_tiled_mlp(model, stage,
                                                                                             micro_batch_tokens):
         applied.append("tiled_mlp")

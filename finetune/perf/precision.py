@@ -1,6 +1,6 @@
 """The precision of the linear layers' GEMMs, chosen by model.precision: bf16, or FP8 (finetune/perf/fp8.py).
 
-    precision = resolve(recipe.model.precision, lora, bf16, micro_batch_tokens, seq_len)   # "bf16" | "fp8"
+    precision = of_recipe(recipe, bf16)                       # "bf16" | "fp8": resolve() with the recipe's shape
     count = install(model, lora, zero_stage)                  # by perf.apply, before deepspeed.initialize
 
 LoRA: each adapted projection's frozen base layer becomes an Fp8FrozenLinear. Under ZeRO-0/1/2 its weight is
@@ -45,6 +45,12 @@ GEMMs."""
 AUTO_MAX_SEQ_LEN = 2048
 """...and for rows no longer than the gate's: longer rows (attention over more positions, tiled MLPs, long-context
 RoPE) are not what it measured, so `auto` keeps bf16 there; model.precision=fp8 still runs them."""
+
+
+def of_recipe(recipe, bf16: bool) -> str:
+    """resolve() for a run of this recipe (the training run and the memory estimator ask the same)."""
+    return resolve(recipe.model.precision, recipe.lora.enabled, bf16,
+                   recipe.train.micro_batch_size * recipe.data.max_seq_len, recipe.data.max_seq_len)
 
 
 def resolve(precision: str, lora: bool, bf16: bool, micro_batch_tokens: int, seq_len: int) -> str:
