@@ -63,7 +63,7 @@ def run_zerotune(kind: str, length: int, a: argparse.Namespace) -> dict:
     if length > context:  # positions past the model's range: YaRN stretches RoPE to the row
         sets.append(f"model.rope_scaling={{rope_type: yarn, factor: {length / context:g}, "
                     f"original_max_position_embeddings: {context}}}")
-    script = ["finetune/main.py", "--deepspeed", "auto", "--config", f"recipes/mistral7b_{kind}.yaml", *sets, *a.set]
+    script = ["finetune/main.py", "--deepspeed", a.deepspeed, "--config", f"recipes/mistral7b_{kind}.yaml", *sets, *a.set]
     code, tail, wall = launch(script, 1, out + ".log", a.run_timeout)
     result = {"system": "zerotune", "kind": kind, "length": length, "exit": code, "wall_s": wall,
               "plan": _plan(out + ".log")}
@@ -204,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", type=int, default=1, help="steps left out of the averages (compilation, warm-up)")
     p.add_argument("--run-timeout", type=int, default=300, help="seconds per run, model load included")
     p.add_argument("--set", nargs="*", default=[], help="extra zerotune recipe overrides (A/B experiments)")
+    p.add_argument("--deepspeed", default="auto", help="zerotune's --deepspeed: `auto` (the planner) or a JSON, with "
+                   "--set naming the checkpointing, to run a plan the planner would not choose")
     p.add_argument("--resume", action="store_true", help="keep the runs already in OUT/long_context.json")
     p.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
                    help="start no run after this many seconds (rerun with --resume for the rest)")
