@@ -45,9 +45,12 @@ class ModelConfig:
     {rope_type: yarn, factor: 8.0, original_max_position_embeddings: 32768}; null = the model's own."""
     activation_checkpointing: Literal["auto", "none", "selective", "full", "offload"] = "auto"
     """`full` recomputes every decoder layer in backward, `selective` `recompute_layers` of them, `none` keeps all
-    activations, `offload` recomputes every layer and keeps each layer's input in CPU memory instead of the GPU's;
-    `auto`: on a GPU, the least recomputation (and the micro-batch) that fits its memory, from the estimator
-    (finetune/memory/budget.py); without a GPU, `none`."""
+    activations, `offload` recomputes every layer and keeps layer inputs in CPU memory instead of the GPU's
+    (`offload_layers` of them); `auto`: on a GPU, the least recomputation (and the micro-batch) that fits its
+    memory, from the estimator (finetune/memory/budget.py); without a GPU, `none`."""
+    offload_layers: int | None = None
+    """Under `offload`: how many of the kept layer inputs wait in CPU memory, the first layers' (the last that backward
+    needs); the others stay on the GPU; null = all. `auto` checkpointing sets the fewest that fit the GPU."""
     tiled_mlp: Literal["auto", "on", "off"] = "auto"
     """Compute each MLP a tile of tokens at a time, forward and backward, so that its [tokens, intermediate] tensors
     never exist for a whole long row (finetune/perf/tiled_mlp.py); `auto` = on for rows longer than the tile."""
@@ -82,11 +85,9 @@ class LoraConfig:
     """Each adapted projection as one autograd function, base GEMM and adapter together (finetune/perf/fused_lora.py);
     false = peft's own forward. Same maths; it skips a copy of the input per adapter, two passes over each output."""
     dropout_kernel: Literal["auto", "torch", "triton"] = "auto"
-    """With lora.fused and dropout > 0: `triton` draws each mask from a seed inside Triton kernels (CUDA;
-    finetune/perf/lora_dropout.py) and keeps none (less memory and faster steps than torch's dropout:
-    docs/benchmarks/2026-11-30-2xh200-vs-peer.md); `torch` keeps native_dropout's bool mask per adapter; `auto`:
-    triton on an NVIDIA GPU of compute capability 8.0+ with Triton 3.0+, else torch. Other masks, the same
-    distribution."""
+    """With lora.fused and dropout > 0: `triton` draws each mask from a seed in Triton kernels and keeps none (CUDA;
+    finetune/perf/lora_dropout.py: less memory, faster steps); `torch` keeps native_dropout's bool mask per adapter;
+    `auto`: triton on an NVIDIA GPU of compute capability 8.0+ with Triton 3.0+, else torch. Same distribution."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                 "up_proj", "down_proj"])
 
@@ -173,9 +174,8 @@ class TrainConfig:
     """Split each row's sequence over this many ranks (DeepSpeed Ulysses), data-parallel size world / this. `auto` = 1,
     or with a GPU memory budget (train.gpu_memory_gib or the GPU's) the fewest ranks, in one node first, that fit."""
     gpu_memory_gib: float | None = None
-    """GPU memory budget per GPU: zerotune picks activation checkpointing and micro-batch (and, with --deepspeed auto,
-    the ZeRO stage and offload) that the estimator fits into it, keeping the batch per step; on CUDA it also caps the
-    allocator there (simulate a smaller card on a bigger one). null = no budget."""
+    """GPU memory budget per GPU: zerotune picks checkpointing and micro-batch (with --deepspeed auto, the ZeRO stage
+    and offload) that fit it by the estimator, keeping the batch per step; on CUDA it caps the allocator. null = none."""
     cpu_memory_gib: float | None = None
     """CPU memory per node that the run may use (offloaded states; the model as it loads; without a GPU, everything);
     null = the node's (MemTotal, capped by its cgroup limit)."""
@@ -186,24 +186,21 @@ class TrainConfig:
     wandb_project: str = "zerotune"
     """W&B project when `wandb` is in log_to (WANDB_MODE=offline writes it locally)."""
     objective: Literal["sft", "dpo", "ipo", "orpo", "simpo"] = "sft"
-    """`sft`: the next-token loss on the targets. `dpo`, `ipo`, `orpo`, `simpo`: a preference objective on pairs of
-    data.format preference (docs/preference.md)."""
+    """`sft`: the next-token loss on the targets; `dpo`, `ipo`, `orpo`, `simpo`: on data.format preference pairs."""
     beta: float = 0.1
-    """β of the preference objectives: DPO's and IPO's strength of the reference, SimPO's reward scale, ORPO's weight
-    of the odds-ratio term."""
+    """β: DPO/IPO's strength of the reference, SimPO's reward scale, ORPO's odds-ratio weight."""
     simpo_gamma: float = 0.5
     """SimPO's target reward margin γ."""
     reference: Literal["auto", "adapters_off", "precomputed"] = "auto"
-    """The reference model of dpo and ipo: `adapters_off` = the LoRA model with its adapters disabled (no second
-    model); `precomputed` = the starting model's log-probabilities, computed once before the first step and kept in
-    the run folder; `auto` = adapters_off with LoRA, precomputed for full fine-tuning."""
+    """dpo/ipo's reference: `adapters_off` = the LoRA model with its adapters disabled; `precomputed` = the starting
+    model's log-probabilities, computed before the first step, kept in the run folder; `auto`: adapters_off with LoRA,
+    else precomputed."""
     share_prompt: Literal["auto", "on", "off"] = "auto"
     """A pair's prompt once in a row, its rejected response seeing the chosen one's copy: fewer tokens, the same
     log-probs. It needs zerotune's attention (model.attn_implementation flex); `auto`: wherever that runs."""
     stall_timeout_s: float | Literal["auto"] | None = "auto"
-    """End the run (exit 4) when no step ends, nor eval, save, sample or export starts, for this many s: ranks write
-    stacks to <output_dir>/stall/rank_K.txt, the lowest names the stuck rank, host, phase, collective. `auto`/null: 10 x
-    the median step + 60 s, at least 300 s; 1800 s before the first step and for a save, sample or export. 0 = off."""
+    """End the run (exit 4) when no step ends, nor eval/save/sample/export starts, for this many s (stacks: <output_dir>/
+    stall/rank_K.txt); `auto`/null: 10 x median step + 60 s, >= 300 s (1800 s before step 1, for save/sample/export); 0 = off."""
 
 
 @dataclass
@@ -228,6 +225,9 @@ class Recipe:
              "and model.activation_checkpointing full or offload (or set it to null)"),
             (self.model.recompute_layers is None or self.model.recompute_layers > 0,
              "model.recompute_layers must be > 0 (decoder layers recomputed under selective checkpointing), or null"),
+            (self.model.offload_layers is None or (self.model.offload_layers > 0 and self.model
+             .activation_checkpointing == "offload"), "model.offload_layers needs a whole number > 0 and "
+             "model.activation_checkpointing=offload (or set it to null)"),
             (self.model.recompute_layers is None or self.model.activation_checkpointing in ("selective", "auto"),
              f"model.recompute_layers applies to activation_checkpointing selective (or auto), not "
              f"{self.model.activation_checkpointing!r}: set model.activation_checkpointing=selective, or "

@@ -121,12 +121,12 @@ def length_row(model_config: dict[str, Any], recipe, deepspeed: str, gpus: int, 
         return out
     out["plan"] = {"deepspeed": plan.deepspeed, "sequence_parallel": plan.sequence_parallel,
                    "activation_checkpointing": plan.activation_checkpointing, "recompute_layers": plan.recompute_layers,
-                   "recompute_segment": plan.recompute_segment,
+                   "recompute_segment": plan.recompute_segment, "offload_layers": plan.offload_layers,
                    "tiled_mlp": plan.tiled_mlp, "micro_batch_size": plan.micro_batch_size,
                    "estimated_gib": plan.estimated_gib, "reasons": plan.reasons}
     # the plan's own terms, to compare term by term with a run of that plan
     chosen = with_memory_choice(at, plan.activation_checkpointing, plan.micro_batch_size, plan.grad_accum,
-                                plan.recompute, plan.tiled_mlp == "on", plan.sequence_parallel)
+                                plan.recompute, plan.tiled_mlp == "on", plan.sequence_parallel, plan.offload_layers)
     out["plan"]["terms"] = estimate_run(model_config, chosen, resolve_ds_config(
         plan.deepspeed, chosen, world, model_config["hidden_size"], recipe_path=recipe_path,
         vocab_size=model_config["vocab_size"]), world, cuda=True)["terms"]

@@ -158,7 +158,8 @@ def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: in
                          adapter_dtype_bytes: int | None = None, fused_loss: bool = False,
                          liger: bool = False, recompute_layers: int | None = None,
                          fused_mlp: bool = False, tiled_mlp: bool = False,
-                         sequence_parallel: int = 1, recompute_segment: int | None = None) -> dict[str, float]:
+                         sequence_parallel: int = 1, recompute_segment: int | None = None,
+                         offload_layers: int | None = None) -> dict[str, float]:
     """Activation bytes of one micro-batch (rows of seq_len tokens) per GPU, at the peak of backward.
 
     checkpointing: none keeps every layer's activations; full keeps each layer's input and recomputes one layer at a
@@ -175,6 +176,7 @@ def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: in
     sequence_parallel: each rank holds seq_len / sequence_parallel tokens of every row (_layer_bytes for attention).
     recompute_segment (under full or offload; finetune/model/two_level.py): one layer in k keeps its input; while
     backward runs through a segment, its other k - 1 inputs are rebuilt and held at once.
+    offload_layers (under offload): how many of the kept inputs are in CPU memory; the others stay on the GPU.
 
     Keys: kept (layers + other + the loss's: held through backward) and transient (the largest of one layer's
     backward, one MLP tile, one loss chunk) make total; saved is what autograd holds after forward (the hooks' count).
@@ -198,9 +200,10 @@ def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: in
     cpu = 0.0
     if lora is not None and checkpointing == "none":
         saved_layers = first + (layers - 1) * per_layer
-    elif checkpointing == "offload":  # every layer's input in CPU memory, a few of them on the GPU at a time
-        saved_layers = min(inputs, cal.OFFLOAD_GPU_LAYER_INPUTS) * d * h
-        cpu = tokens * inputs * d * h
+    elif checkpointing == "offload":  # layer inputs in CPU memory, a few of them on the GPU at a time; the rest there
+        offloaded = min(offload_layers or inputs, inputs)
+        saved_layers = (inputs - offloaded + min(offloaded, cal.OFFLOAD_GPU_LAYER_INPUTS)) * d * h
+        cpu = tokens * offloaded * d * h
     else:
         # a checkpointed layer keeps only its input, and under two-level only a segment's first layer
         saved_layers = kept * per_layer + (recomputed - layers + inputs) * d * h

@@ -40,7 +40,7 @@ from finetune.ds_config import load_ds_json, offloads_optimizer, resolve_ds_conf
 from finetune.memory.estimate import (FIT_FRACTION, GIB, SHIPPED, SPEED_ORDER, display_path, estimate_run,
                                       recomputed_layers, shipped_dir, tiled_mlp_on)
 from finetune.memory.node import host_memory, local_gpu_gib, ranks_per_node
-from finetune.memory.long_rows import (least_recomputation, offload_options, sequence_parallel_degrees,
+from finetune.memory.long_rows import (fewest_offloaded, least_recomputation, offload_options, sequence_parallel_degrees,
                                        tiling_options, two_level_segment)
 
 
@@ -67,6 +67,8 @@ class MemoryPlan:
     seq_len: int = 0
     cpu_activations_gib_per_node: float = 0.0
     """Under `offload` checkpointing: the layers' inputs in pinned CPU memory, per node (part of cpu_gib_per_node)."""
+    offload_layers: int | None = None
+    """Under `offload` checkpointing: how many kept layer inputs are in CPU memory (model.offload_layers); None = all."""
     reasons: list[str] = field(default_factory=list)
     """Why sequence parallelism, the tiled MLP or checkpoint offload were chosen, each with the estimate that ruled
     out the cheaper option."""
@@ -77,8 +79,10 @@ class MemoryPlan:
         return self.recompute_layers or self.recompute_segment
 
     def checkpointing_text(self) -> str:
-        return describe_checkpointing(self.activation_checkpointing, self.recompute_layers, self.layers,
+        text = describe_checkpointing(self.activation_checkpointing, self.recompute_layers, self.layers,
                                       self.recompute_segment)
+        kept = -(-self.layers // (self.recompute_segment or 1))
+        return text + (f" ({self.offload_layers} of {kept} layer inputs in CPU memory)" if self.offload_layers else "")
 
     def summary(self) -> str:
         lines = [f"memory plan ({self.budget_gib:g} GiB per GPU, fits at <= {FIT_FRACTION:.0%}): {self.deepspeed}, "
@@ -132,7 +136,7 @@ def fit(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, world: int
         raise ConfigError(f"train.gpu_memory_gib: {e}") from None
     dist.print0(plan.summary())
     chosen = with_memory_choice(recipe, plan.activation_checkpointing, plan.micro_batch_size, plan.grad_accum,
-                                plan.recompute, plan.tiled_mlp == "on", plan.sequence_parallel)
+                                plan.recompute, plan.tiled_mlp == "on", plan.sequence_parallel, plan.offload_layers)
     return chosen, plan.deepspeed, plan
 
 
@@ -191,7 +195,11 @@ def plan_memory(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, wo
                 for checkpointing, mbs, recompute, tiled in _options(recipe, path, micro_batches, model_config,
                                                                      tilings, phase, keep_settings):
                     trial = with_memory_choice(recipe, checkpointing, mbs, rows_per_step // mbs, recompute, tiled, sp)
-                    row = _estimate(model_config, trial, path, world, recipe_path, cuda)
+                    estimate = lambda r: _estimate(model_config, r, path, world, recipe_path, cuda)  # noqa: E731
+                    if offload:  # the fewest layer inputs in CPU memory that fit the GPU
+                        trial, row = fewest_offloaded(trial, estimate, layers, limit)
+                    else:
+                        row = estimate(trial)
                     if cpu_bytes_per_node is not None and row["cpu_states"] * ranks_per_node > cpu_bytes_per_node:
                         # Offloaded states do not depend on checkpointing or micro-batch: no option of this file fits.
                         passed_over.append(f"{name}: offloads {row['cpu_states'] * ranks_per_node / GIB:.0f} GiB per "
@@ -210,9 +218,8 @@ def plan_memory(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, wo
                         plan = MemoryPlan(name, checkpointing, mbs, rows_per_step // mbs, row["total"] / GIB, budget_gib,
                                           row["cpu"] * ranks_per_node / GIB, passed_over, None if whole else recompute,
                                           recompute if whole else None, layers, sp, "on" if tiled else "off", seq_len,
-                                          row["cpu_activations"] * ranks_per_node / GIB)
-                        plan.reasons = _reasons(plan, recipe, row, lowest_per_degree, smallest, limit,
-                                                lambda r: _estimate(model_config, r, path, world, recipe_path, cuda))
+                                          row["cpu_activations"] * ranks_per_node / GIB, trial.model.offload_layers)
+                        plan.reasons = _reasons(plan, recipe, row, lowest_per_degree, smallest, limit, estimate)
                         return plan
                 if lowest is not None and phase != "two_level":  # (the smallest that keeps every layer's input)
                     key = (offload, sp)
@@ -312,13 +319,15 @@ def _by_micro_batch(path: str, micro_batches: list[int],
 
 def with_memory_choice(recipe: Recipe, checkpointing: str, micro_batch_size: int, grad_accum: int,
                        recompute_layers: int | None = None, tiled_mlp: bool | None = None,
-                       sequence_parallel: int | None = None) -> Recipe:
-    """The recipe with the plan's choices; tiled_mlp / sequence_parallel None keep the recipe's."""
+                       sequence_parallel: int | None = None, offload_layers: int | None = None) -> Recipe:
+    """The recipe with the plan's choices; tiled_mlp / sequence_parallel None keep the recipe's. offload_layers:
+    under `offload`, the kept layer inputs in CPU memory (None: all)."""
     whole = checkpointing in ("full", "offload")  # recompute_layers is then two-level's segment, or the recipe's
     tiled = recipe.model.tiled_mlp if tiled_mlp is None else "on" if tiled_mlp else "off"
     model = dataclasses.replace(recipe.model, activation_checkpointing=checkpointing, tiled_mlp=tiled,
                                 recompute_layers=recompute_layers if checkpointing == "selective" else None,
-                                recompute_segment=(recompute_layers or recipe.model.recompute_segment) if whole else None)
+                                recompute_segment=(recompute_layers or recipe.model.recompute_segment) if whole else None,
+                                offload_layers=offload_layers if checkpointing == "offload" else None)
     train = dataclasses.replace(recipe.train, micro_batch_size=micro_batch_size, grad_accum=grad_accum)
     train = train if sequence_parallel is None else dataclasses.replace(train, sequence_parallel=sequence_parallel)
     return dataclasses.replace(recipe, model=model, train=train)

@@ -174,7 +174,7 @@ def estimate_run(model_config: dict[str, Any], recipe, ds: dict[str, Any], world
                                 fused_loss=m.fused_loss and recipe.train.objective == "sft",
                                 liger=uses_liger(m.kernels), recompute_layers=m.recompute_layers,
                                 fused_mlp=m.fused_mlp and not (fp8 and lora is None), tiled_mlp=tiled, sequence_parallel=sp,
-                                recompute_segment=m.recompute_segment)
+                                recompute_segment=m.recompute_segment, offload_layers=m.offload_layers)
     buffers = estimate_buffers(model_config, ds, stage, weight_bytes) + fp8_buffers(model_config, recipe, stage, fp8)
     trained_bytes = adapter_bytes if lora is not None else weight_bytes
     step = step_gradients(states, stage, world, trained_bytes, offload_optimizer, zero.get("sub_group_size", 10**9))

@@ -13,7 +13,8 @@ recomputed layer repeats the whole layer, the tiled MLP repeats every layer's ML
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable
 
 from finetune.config import ConfigError
 from finetune.memory.activations import mlp_tile_tokens
@@ -89,3 +90,30 @@ def offload_options(tilings: list[bool], layers: int) -> list[tuple[str, int | N
     """Checkpointing with the layers' inputs in CPU memory: only when nothing on the GPU fits; then with two-level
     recomputation, one input per segment in CPU memory, where the node's memory holds no more."""
     return [("offload", segment, tiled) for segment in (None, two_level_segment(layers)) for tiled in tilings]
+
+
+def fewest_offloaded(trial, estimate: Callable[[Any], dict[str, Any]], layers: int, limit: float) -> tuple[Any, dict]:
+    """Under `offload` checkpointing: the trial recipe with the fewest kept layer inputs in CPU memory
+    (model.offload_layers, the first layers') whose estimated peak fits `limit`, and its estimate; the trial as given
+    (all of them) where only that fits, or nothing does. Every input in CPU memory costs a copy out and one back per
+    step; the GPU's estimate falls with each one moved there, so a bisection finds the fewest."""
+    row = estimate(trial)
+    inputs = -(-layers // (trial.model.recompute_segment or 1))
+    if row["total"] > limit:
+        return trial, row
+    fewest, most = 1, inputs  # `most` fits
+    while fewest < most:
+        middle = (fewest + most) // 2
+        if estimate(with_offloaded(trial, middle))["total"] <= limit:
+            most = middle
+        else:
+            fewest = middle + 1
+    if most == inputs:
+        return trial, row
+    chosen = with_offloaded(trial, most)
+    return chosen, estimate(chosen)
+
+
+def with_offloaded(recipe, count: int | None):
+    """The recipe with model.offload_layers = count."""
+    return dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, offload_layers=count))

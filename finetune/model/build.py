@@ -64,7 +64,7 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, ds_config: dict[st
         )
     if model_cfg.activation_checkpointing != "none":
         _enable_checkpointing(model, recomputed, offload=model_cfg.activation_checkpointing == "offload",
-                              segment=model_cfg.recompute_segment)
+                              segment=model_cfg.recompute_segment, offload_layers=model_cfg.offload_layers)
     if lora_cfg.enabled:
         model = _apply_lora(model, lora_cfg, model_cfg.init_seed)
         if dtype != torch.float32:
@@ -84,10 +84,13 @@ def library_attention(cfg: ModelConfig) -> str:
     return "sdpa" if cfg.attn_implementation in ("auto", "flex") else cfg.attn_implementation
 
 
-def _enable_checkpointing(model, recomputed: list[int], offload: bool = False, segment: int | None = None) -> None:
+def _enable_checkpointing(model, recomputed: list[int], offload: bool = False, segment: int | None = None,
+                          offload_layers: int | None = None) -> None:
     """Recompute the decoder layers at these indices in backward; the others keep their activations. offload: each
-    recomputed layer's input waits for backward in CPU memory (finetune/model/activation_offload.py). segment: keep
-    the input of one recomputed layer in `segment` and rebuild the others' (finetune/model/two_level.py).
+    recomputed layer's input waits for backward in CPU memory (finetune/model/activation_offload.py), or only the
+    first `offload_layers` of the inputs kept: the first layers' inputs wait longest, the last layers' are needed
+    first. segment: keep the input of one recomputed layer in `segment` and rebuild the others'
+    (finetune/model/two_level.py); the inputs kept are then the segments' first layers'.
 
     Non-reentrant checkpointing works with frozen LoRA bases and ZeRO-3's parameter hooks. transformers >= 5.20
     names it activation_checkpointing_enable; older 5.x only has gradient_checkpointing_enable. Both set the flag on
@@ -99,16 +102,17 @@ def _enable_checkpointing(model, recomputed: list[int], offload: bool = False, s
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     chosen = set(recomputed)
+    offloaded = (offload_layers or len(recomputed)) if offload else 0  # kept inputs in CPU memory, the first ones
     two_level = {}
     if segment:
         from finetune.model.two_level import segment_checkpoints
 
         plain = model.model.layers[0]._gradient_checkpointing_func
-        two_level = segment_checkpoints(recomputed, segment, marking(plain), offload)
+        two_level = segment_checkpoints(recomputed, segment, marking(plain), offloaded)
     for i, layer in enumerate(model.model.layers):
         layer.gradient_checkpointing = i in chosen
         checkpoint = layer._gradient_checkpointing_func
-        if offload:
+        if i in sorted(chosen)[:offloaded]:
             from finetune.model.activation_offload import offloading_checkpoint
 
             checkpoint = offloading_checkpoint

@@ -75,16 +75,17 @@ def _is(t: torch.Tensor, hidden: tuple) -> bool:
 
 
 def segment_checkpoints(recomputed: list[int], segment: int, checkpoint: Callable,
-                        offload: bool = False) -> dict[int, Callable]:
+                        offload: int = 0) -> dict[int, Callable]:
     """A checkpoint function per recomputed layer index: each run of consecutive recomputed layers split into segments
     of `segment` layers. checkpoint: what runs each layer's function once its saved hidden state is arranged (torch's
     non-reentrant checkpoint, marked by finetune/model/recompute.py); it is given transformers' partial(forward,
-    layer, **kwargs) unchanged."""
+    layer, **kwargs) unchanged. offload: how many segments, the first ones, keep their input in CPU memory."""
     starts, previous = {}, None
     for i in sorted(recomputed):
         contiguous = previous is not None and i == previous + 1 and i - starts[previous] < segment
         starts[i] = starts[previous] if contiguous else i
         previous = i
+    offloaded = set(sorted(set(starts.values()))[:offload])
     state: dict[str, _Segment | None] = {"open": None}
 
     def for_layer(i: int) -> Callable:
@@ -95,7 +96,7 @@ def segment_checkpoints(recomputed: list[int], segment: int, checkpoint: Callabl
                 function = partial(function.func, *function.args, **keywords)
             hidden, device = _key(args[0]), args[0].device
             if starts[i] == i:
-                seg = state["open"] = _Segment(i, to_host(args[0]) if offload else args[0])
+                seg = state["open"] = _Segment(i, to_host(args[0]) if i in offloaded else args[0])
 
                 def pack(t):
                     if _is(t, hidden):

@@ -1,8 +1,9 @@
 """model.recompute_segment in real engines on 2 ranks (CPU, gloo, loopback), with each segment's kept input on the
-GPU (full) or in CPU memory (offload): two-level recomputation gives the losses of plain `full` checkpointing, LoRA
-under ZeRO-3 (the rebuild's layer calls gather each layer's weights through ZeRO-3's hooks, in backward) and full
-fine-tuning under ZeRO-2 with the row split over the 2 ranks (sequence parallel 2: the rebuild's attention calls run
-the all-to-alls again, on both ranks alike), with the tiled MLP.
+GPU (full) or in CPU memory (offload; under LoRA only the first segment's, model.offload_layers=1): two-level
+recomputation gives the losses of plain `full` checkpointing, LoRA under ZeRO-3 (the rebuild's layer calls gather
+each layer's weights through ZeRO-3's hooks, in backward) and full fine-tuning under ZeRO-2 with the row split over
+the 2 ranks (sequence parallel 2: the rebuild's attention calls run the all-to-alls again, on both ranks alike), with
+the tiled MLP.
 
 One step of the tiny model against `full` in-process, bit for bit: tests/unit/test_two_level.py."""
 
@@ -22,10 +23,12 @@ def runs(tmp_path_factory):
         split = [f"train.sequence_parallel={sp}", "model.attn_implementation=flex"] if sp > 1 else []
         for segment, checkpointing in (("null", "full"), ("2", "full"), ("2", "offload")):
             name = f"{kind}-zero{stage}-segment{segment}" + ("-offload" if checkpointing == "offload" else "")
+            # LoRA offloads the first of its 2 segments' inputs only (model.offload_layers), full fine-tuning both
+            part = ["model.offload_layers=1"] if checkpointing == "offload" and kind == "lora" else []
             cases.append({"name": name, "config": TINY_RECIPE, "deepspeed": ds, "overrides": overrides(
                 model_dir, str(tmp / name), kind == "lora", 2) + [
                     f"model.recompute_segment={segment}", f"model.activation_checkpointing={checkpointing}",
-                    "model.tiled_mlp=on", "lora.dropout=0.1", *split]})
+                    "model.tiled_mlp=on", "lora.dropout=0.1", *split, *part]})
     return train_cases(2, cases, tmp)
 
 

@@ -336,7 +336,8 @@ def test_sequence_parallel_only_when_one_gpu_does_not_fit_and_offload_last():
     assert "activation checkpointing full, two-level (segments of 6 layers)" in two_level.summary()
     one = _plan(_long("lora", 262144, "train.sequence_parallel=1"), 8, 48)
     assert (one.sequence_parallel, one.activation_checkpointing, one.recompute_segment) == (1, "offload", None)
-    assert one.cpu_activations_gib_per_node == pytest.approx(8 * 32 * 262144 * 4096 * 2 / GIB)
+    assert 0 < one.offload_layers < 32  # the fewest inputs in CPU memory that fit (the rest fit the GPU)
+    assert one.cpu_activations_gib_per_node == pytest.approx(8 * one.offload_layers * 262144 * 4096 * 2 / GIB)
     assert "layer inputs in CPU memory (checkpointing offload): nothing fits on the GPU (smallest est." in one.summary()
     assert _plan(_long("lora", 32768), 8, 80).sequence_parallel == 1
     # what the planner puts in the recipe for prepare/train: the degree, tiling and checkpointing as chosen
@@ -380,7 +381,8 @@ def test_checkpoint_offload_needs_the_host_memory():
     # where the node holds one input per segment but not one per layer: offload with two-level recomputation
     host_aware = _plan(_long("lora", 262144, "train.sequence_parallel=1"), 8, 56, ram=200 * GIB)
     assert (host_aware.activation_checkpointing, host_aware.recompute_segment) == ("offload", 6)
-    assert host_aware.cpu_activations_gib_per_node == pytest.approx(8 * 6 * 262144 * 4096 * 2 / GIB)
+    assert host_aware.cpu_activations_gib_per_node == pytest.approx(
+        8 * (host_aware.offload_layers or 6) * 262144 * 4096 * 2 / GIB)
     recipe = _long("lora", 262144, "model.activation_checkpointing=offload", "model.tiled_mlp='on'")
     ds = resolve_ds_config(os.path.join(ROOT, "ds_configs", "zero2.json"), recipe, 8, 4096)
     row = estimate_run(MISTRAL, recipe, ds, 8, cuda=True)
@@ -406,6 +408,32 @@ def test_half_a_million_tokens_plan_two_level_recomputation_on_one_h200():
     # what ran on the H200 (docs/benchmarks/2026-12-03-h200-half-a-million-tokens.md): 93.29 GiB allocated at its peak
     ds = resolve_ds_config(os.path.join(ROOT, "ds_configs", "zero2.json"), chosen, 1, MISTRAL["hidden_size"])
     assert estimate_run(MISTRAL, chosen, ds, 1, cuda=True)["total"] / GIB == pytest.approx(93.29, rel=0.10)
+
+
+def test_the_fewest_layer_inputs_that_fit_go_to_cpu_memory():
+    """LoRA at 786,432 tokens per row on one H200: no plan on the GPU fits, nor two-level recomputation there; with
+    the segments' 6 kept inputs in CPU memory it fits, and so it does with 5 of them (the 6th, the last segment's,
+    stays on the GPU), but not with 4: the planner moves the fewest, as each costs a copy out and back per step. A
+    node with less memory than those 5 inputs and the offloaded weights refuses with both figures."""
+    from finetune.memory.long_rows import with_offloaded
+
+    recipe = _long_row(786432)
+    plan = budget.plan_memory(recipe, MISTRAL, "auto", 1, 139.8, 128 * GIB, 1, cuda=True)
+    assert (plan.activation_checkpointing, plan.recompute_segment, plan.offload_layers) == ("offload", 6, 5)
+    one_input = 786432 * MISTRAL["hidden_size"] * 2
+    assert plan.cpu_activations_gib_per_node * GIB == pytest.approx(5 * one_input)
+    assert "(5 of 6 layer inputs in CPU memory)" in plan.summary()
+    chosen = budget.with_memory_choice(recipe, plan.activation_checkpointing, plan.micro_batch_size, plan.grad_accum,
+                                       plan.recompute, plan.tiled_mlp == "on", plan.sequence_parallel,
+                                       plan.offload_layers)
+    assert chosen.model.offload_layers == 5
+    ds = resolve_ds_config(os.path.join(ROOT, plan.deepspeed), chosen, 1, MISTRAL["hidden_size"])
+    limit = 0.9 * 139.8
+    assert estimate_run(MISTRAL, chosen, ds, 1, cuda=True)["total"] / GIB <= limit
+    assert estimate_run(MISTRAL, with_offloaded(chosen, 4), ds, 1, cuda=True)["total"] / GIB > limit
+    with pytest.raises(ConfigError) as e:
+        budget.plan_memory(recipe, MISTRAL, "auto", 1, 139.8, 32 * GIB, 1, cuda=True)
+    assert "nothing fits 90% of it" in str(e.value) and "CPU memory for offloading: 32 GiB per node" in str(e.value)
 
 
 def test_full_fine_tuning_at_131k_tokens_estimate_within_ten_percent_of_the_h200_peak():

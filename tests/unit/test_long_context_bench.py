@@ -70,7 +70,8 @@ def test_zerotune_gets_the_recipe_auto_and_the_work_only(monkeypatch, tmp_path):
     monkeypatch.setattr(long_context, "launch", fake_launch)
     monkeypatch.setattr(long_context, "write_documents", lambda path, length, count: path)
     a = long_context.main.__globals__["argparse"].Namespace(model=TINY_MODEL, tokenizer="mistral-common",
-                                                           out=str(tmp_path), steps=3, run_timeout=60, set=[])
+                                                           out=str(tmp_path), steps=3, run_timeout=60, set=[],
+                                                           deepspeed="auto")
     long_context.run_zerotune("lora", 4096, a)
     long_context.run_zerotune("lora", 16384, a)
     within, beyond = launched

@@ -39,10 +39,10 @@ def _base(model):
     return model.base_model.model if isinstance(model, PeftModel) else model
 
 
-def _step(model, segment, offload=False, tiled=False):
+def _step(model, segment, offload=False, tiled=False, offload_layers=None):
     """Loss, every gradient, and how many times each decoder layer's forward ran, for one training step."""
     base = _base(model)
-    _enable_checkpointing(base, list(range(LAYERS)), offload=offload, segment=segment)
+    _enable_checkpointing(base, list(range(LAYERS)), offload=offload, segment=segment, offload_layers=offload_layers)
     if tiled:
         from finetune.perf import tiled_mlp
 
@@ -137,6 +137,32 @@ def test_after_forward_only_each_segments_first_input_is_alive(offload):
     loss.backward()
 
 
+@pytest.mark.parametrize("segment", [None, 2], ids=["every-input", "two-level"])
+def test_only_the_first_offload_layers_inputs_go_to_cpu_memory(segment, monkeypatch):
+    """model.offload_layers = 2 of 5 layers (plain offload: every layer keeps its input) or of 3 segments (two-level,
+    segments of 2): the first two kept inputs, which backward needs last, go through the offload hooks' copy to CPU
+    memory, the others stay where they are; the loss and gradients are `full` checkpointing's bit for bit."""
+    from finetune.model import activation_offload, two_level
+
+    copied = []
+
+    def recording(to_host):
+        return lambda t: (copied.append(t.data_ptr()), to_host(t))[1]
+
+    monkeypatch.setattr(activation_offload, "to_host", recording(activation_offload.to_host))
+    monkeypatch.setattr(two_level, "to_host", recording(two_level.to_host))
+    ref_loss, ref, _ = _step(_model(True, 0.3), None)
+    model = _model(True, 0.3)
+    inputs = []
+    for layer in _base(model).model.layers:
+        layer.register_forward_pre_hook(lambda m, a, kw: inputs.append(a[0].data_ptr()) if torch.is_grad_enabled()
+                                        else None, with_kwargs=True)
+    loss, grads, _ = _step(model, segment, offload=True, offload_layers=2)
+    assert loss == ref_loss and all(torch.equal(grads[n], ref[n]) for n in ref)
+    kept = [0, 1, 2, 3, 4] if segment is None else [0, 2, 4]
+    assert copied == [inputs[i] for i in kept[:2]], (copied, inputs)
+
+
 def test_one_hidden_state_is_kept_per_segment():
     """What the checkpoints save for their layers' inputs: the first of each segment the tensor, the others a handle."""
     saved = []
@@ -190,6 +216,14 @@ def test_a_segment_needs_full_or_offload_and_two_layers():
         load_recipe(TINY_RECIPE, ["model.recompute_segment=1"])
 
 
+def test_offload_layers_needs_offload_and_a_count():
+    load_recipe(TINY_RECIPE, ["model.activation_checkpointing=offload", "model.offload_layers=2"])
+    for wrong in (["model.offload_layers=2"], ["model.activation_checkpointing=offload", "model.offload_layers=0"]):
+        with pytest.raises(ConfigError, match="model.offload_layers needs a whole number > 0 and "
+                                              "model.activation_checkpointing=offload"):
+            load_recipe(TINY_RECIPE, wrong)
+
+
 def test_the_estimate_keeps_one_input_per_segment_and_holds_a_segments_rebuilt_inputs():
     """Mistral-7B's 32 layers at 524,288 tokens in segments of 6 (6, 6, 6, 6, 6, 2 layers): 6 kept inputs instead of 32
     (on the GPU under full, in CPU memory under offload). Backward through the fifth segment holds the kept inputs of
@@ -215,3 +249,10 @@ def test_the_estimate_keeps_one_input_per_segment_and_holds_a_segments_rebuilt_i
             assert two["total"] < full["total"] - 20 * one_input  # 26 fewer kept, at most 5 more held in backward
     off_full, off_two = (estimate_activations(cfg, None, 524288, 1, "offload", recompute_segment=k) for k in (None, 6))
     assert (off_full["cpu"], off_two["cpu"]) == (32 * one_input, 6 * one_input)
+    # model.offload_layers: n kept inputs in CPU memory, the others back on the GPU
+    for k, kept in ((None, 32), (6, 6)):
+        part = estimate_activations(cfg, None, 524288, 1, "offload", recompute_segment=k, offload_layers=4)
+        every = off_full if k is None else off_two
+        assert part["cpu"] == 4 * one_input
+        assert part["layers"] - every["layers"] == (kept - 4) * one_input
+        assert part["total"] - every["total"] == (kept - 4) * one_input
