@@ -200,9 +200,11 @@ def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: in
     cpu = 0.0
     if lora is not None and checkpointing == "none":
         saved_layers = first + (layers - 1) * per_layer
-    elif checkpointing == "offload":  # layer inputs in CPU memory, a few of them on the GPU at a time; the rest there
+    elif checkpointing == "offload":
+        # The offloaded inputs come back a few at a time, when backward reaches the first layers; by then the inputs
+        # kept on the GPU (the last layers', model.offload_layers) are freed: the larger of the two is held at once.
         offloaded = min(offload_layers or inputs, inputs)
-        saved_layers = (inputs - offloaded + min(offloaded, cal.OFFLOAD_GPU_LAYER_INPUTS)) * d * h
+        saved_layers = max(inputs - offloaded, min(offloaded, cal.OFFLOAD_GPU_LAYER_INPUTS)) * d * h
         cpu = tokens * offloaded * d * h
     else:
         # a checkpointed layer keeps only its input, and under two-level only a segment's first layer
