@@ -23,8 +23,8 @@ Long rows (finetune/memory/long_rows.py):
    per data-parallel rank (world / degree of them).
 6. model.tiled_mlp auto, rows longer than a tile: the tiled MLP joins the recomputation options, ordered by the
    forward work each repeats (the tiled MLP repeats every layer's MLP forward, a recomputed layer the whole layer).
-7. checkpointing `offload` (layer inputs in pinned CPU memory) only when nothing on the GPU fits at any degree, and
-   only where the node's memory holds them.
+7. checkpointing `offload` (layer inputs in pinned CPU memory) only when nothing on the GPU fits at any degree; the
+   fewest inputs that make it fit (model.offload_layers), and only where the node's memory holds them.
 """
 
 from __future__ import annotations
@@ -191,11 +191,11 @@ def plan_memory(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, wo
                 name = display_path(path)
                 if name in refused:
                     continue
+                estimate = lambda r: _estimate(model_config, r, path, world, recipe_path, cuda)  # noqa: E731
                 lowest = None
                 for checkpointing, mbs, recompute, tiled in _options(recipe, path, micro_batches, model_config,
                                                                      tilings, phase, keep_settings):
                     trial = with_memory_choice(recipe, checkpointing, mbs, rows_per_step // mbs, recompute, tiled, sp)
-                    estimate = lambda r: _estimate(model_config, r, path, world, recipe_path, cuda)  # noqa: E731
                     if offload:  # the fewest layer inputs in CPU memory that fit the GPU
                         trial, row = fewest_offloaded(trial, estimate, layers, limit)
                     else:
