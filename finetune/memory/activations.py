@@ -125,6 +125,12 @@ def _layer_bytes(cfg: dict[str, Any], lora: dict[str, Any] | None, seq_len: int,
     return norms + attention + mlp + adapters
 
 
+def kept_inputs(layers: int, segment: int | None) -> int:
+    """The layer inputs kept through backward under full or offload checkpointing: every layer's, or under two-level
+    recomputation one per segment (finetune/model/two_level.py). model.offload_layers counts among these."""
+    return -(-layers // (segment or 1))
+
+
 def recomputed_layers(checkpointing: str, layers: int, recompute_layers: int | None = None) -> list[int]:
     """The decoder layers recomputed in backward: none; all (full, offload); `recompute_layers` of them spread evenly,
     layer 0 first (selective; null = every second one: 0, 2, 4...)."""
@@ -195,7 +201,7 @@ def estimate_activations(config_dict: dict[str, Any], lora_cfg: Any, seq_len: in
     recomputed = len(recomputed_layers(checkpointing, layers, recompute_layers))  # layer 0 among them, if any
     kept = layers - recomputed
     segment = recompute_segment if recompute_segment and checkpointing in ("full", "offload") else 1
-    inputs = -(-layers // segment)  # the layer inputs kept through backward: every layer's, or one per segment
+    inputs = kept_inputs(layers, segment)
     rebuilt = (segment - 1) * d * h  # a segment's other inputs, rebuilt in backward
     cpu = 0.0
     if lora is not None and checkpointing == "none":

@@ -37,6 +37,7 @@ from typing import Any
 from finetune import dist
 from finetune.config import ConfigError, Recipe
 from finetune.ds_config import load_ds_json, offloads_optimizer, resolve_ds_config, zero_stage
+from finetune.memory.activations import kept_inputs
 from finetune.memory.estimate import (FIT_FRACTION, GIB, SHIPPED, SPEED_ORDER, display_path, estimate_run,
                                       recomputed_layers, shipped_dir, tiled_mlp_on)
 from finetune.memory.node import host_memory, local_gpu_gib, ranks_per_node
@@ -81,7 +82,7 @@ class MemoryPlan:
     def checkpointing_text(self) -> str:
         text = describe_checkpointing(self.activation_checkpointing, self.recompute_layers, self.layers,
                                       self.recompute_segment)
-        kept = -(-self.layers // (self.recompute_segment or 1))
+        kept = kept_inputs(self.layers, self.recompute_segment)
         return text + (f" ({self.offload_layers} of {kept} layer inputs in CPU memory)" if self.offload_layers else "")
 
     def summary(self) -> str:

@@ -17,7 +17,7 @@ import dataclasses
 from typing import Any, Callable
 
 from finetune.config import ConfigError
-from finetune.memory.activations import mlp_tile_tokens
+from finetune.memory.activations import kept_inputs, mlp_tile_tokens
 from finetune.memory.shapes import dims, heads
 from finetune.parallel.degree import ATTENTION, check_heads
 
@@ -98,7 +98,7 @@ def fewest_offloaded(trial, estimate: Callable[[Any], dict[str, Any]], layers: i
     (all of them) where only that fits, or nothing does. Every input in CPU memory costs a copy out and one back per
     step; the GPU's estimate falls with each one moved there, so a bisection finds the fewest."""
     row = estimate(trial)
-    inputs = -(-layers // (trial.model.recompute_segment or 1))
+    inputs = kept_inputs(layers, trial.model.recompute_segment)
     if row["total"] > limit:
         return trial, row
     fewest, most = 1, inputs  # `most` fits

@@ -103,16 +103,18 @@ def _enable_checkpointing(model, recomputed: list[int], offload: bool = False, s
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     chosen = set(recomputed)
     offloaded = (offload_layers or len(recomputed)) if offload else 0  # kept inputs in CPU memory, the first ones
-    two_level = {}
-    if segment:
+    two_level, to_host = {}, set()
+    if segment:  # the segments' first layers keep the inputs
         from finetune.model.two_level import segment_checkpoints
 
         plain = model.model.layers[0]._gradient_checkpointing_func
         two_level = segment_checkpoints(recomputed, segment, marking(plain), offloaded)
+    else:  # every recomputed layer keeps its input
+        to_host = set(sorted(chosen)[:offloaded])
     for i, layer in enumerate(model.model.layers):
         layer.gradient_checkpointing = i in chosen
         checkpoint = layer._gradient_checkpointing_func
-        if i in sorted(chosen)[:offloaded]:
+        if i in to_host:
             from finetune.model.activation_offload import offloading_checkpoint
 
             checkpoint = offloading_checkpoint
