@@ -63,15 +63,13 @@ setup(
     extras_require={
         "dev": ["pytest>=8", "pytest-xdist>=3.5", "ruff>=0.6", "matplotlib>=3.8", "tensorboard>=2.15", "wandb>=0.19",
                 "triton>=3.0",  # its CPU interpreter runs the LoRA dropout kernels in tests
-                "trl>=1.15",  # the preference losses are checked against TRL's trainers
-                "torchao>=0.14"],  # model.precision=fp8's full fine-tuning is tested on CPU
+                "trl>=1.15"],  # the preference losses are checked against TRL's trainers
         # train.log_to back-ends and `zerotune plot`: none of them is needed to train.
         "tensorboard": ["tensorboard>=2.15"],
         "wandb": ["wandb>=0.19"],
         "plot": ["matplotlib>=3.8"],
         "mpi": ["mpi4py>=4"],
         "liger": ["liger-kernel>=0.5"],
-        "fp8": ["torchao>=0.14"],  # model.precision=fp8 for full fine-tuning (torchao's float8 training)
     },
     entry_points={"console_scripts": ["zerotune=finetune.cli:main"]},
     cmdclass={"build_py": BuildPyWithShipped},

@@ -2,7 +2,7 @@
 # model.precision=fp8 on one GPU machine, beside benchmarks/gpu_precision.sh's quality gate: (1) Mistral-7B LoRA in a
 # 16 GiB budget, the planner choosing (--deepspeed auto train.gpu_memory_gib=16, the allocator capped there), 6 steps;
 # (2) LoRA ZeRO-2 speed at 8 rows of 2,048 tokens per step, bf16 against fp8 (benchmarks/precision.py, 12 steps).
-#   bash benchmarks/gpu_fp8.sh      # carry .whl (deepspeed, liger-kernel, mistral-common, torchao)
+#   bash benchmarks/gpu_fp8.sh      # carry .whl (deepspeed, liger-kernel, mistral-common)
 # Results: $OUT/fp8.tgz (the budget run's log, memory plan and metrics; the speed runs' precision.json and logs).
 source benchmarks/gpu_setup.sh
 mkdir -p runs/fp8

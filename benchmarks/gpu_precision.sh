@@ -4,7 +4,7 @@
 #   PR_NAME=lora bash benchmarks/gpu_precision.sh --runs lora [precision.py options, e.g. --precisions fp8 --steps 200]
 # A call is capped at 10 minutes: run each kind (or each precision) as its own call with its own PR_NAME, then
 #   python benchmarks/precision.py --table runs/a/precision.json runs/b/precision.json --out runs/precision.json
-# Carry .whl (deepspeed, liger-kernel, mistral-common for the tokenizer, torchao for full fine-tuning's fp8).
+# Carry .whl (deepspeed, liger-kernel, mistral-common for the tokenizer).
 # Results: $OUT/$PR_NAME.tgz (precision.json, its plot, each run's log, metrics.jsonl, speedups.json), the table.
 source benchmarks/gpu_setup.sh
 name=${PR_NAME:-precision}

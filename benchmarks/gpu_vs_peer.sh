@@ -5,7 +5,7 @@
 # Carry .whl (deepspeed, liger-kernel, pytest wheels) and .gpu/tokenizer. Results: $OUT/$VP_NAME.tgz (vs_peer.json, logs), the table.
 source benchmarks/gpu_setup.sh
 if [ -z "${SKIP_KERNEL_TEST:-}" ]; then
-  python -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_fused_lora.py tests/gpu/test_gpu_lora_dropout.py > /tmp/gpu_kernels.txt 2>&1
+  python -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_fused_lora.py tests/gpu/test_gpu_lora_dropout.py tests/gpu/test_gpu_fp8.py > /tmp/gpu_kernels.txt 2>&1
   kernels_rc=$?
   grep -v "^\[" /tmp/gpu_kernels.txt | tail -40 | tee "$OUT/gpu_kernels.txt"
   # zerotune's defaults use these kernels and functions: a failed parity test means the table would time wrong maths

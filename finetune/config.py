@@ -69,9 +69,9 @@ class ModelConfig:
     """Fused Triton kernels for RMSNorm, SwiGLU and RoPE: `liger` (liger-kernel, CUDA), `auto` = liger when it is
     installed and the run is on CUDA, `none` = transformers' own modules."""
     precision: Literal["auto", "bf16", "fp8"] = "auto"
-    """The linear layers' GEMMs: `fp8` = LoRA's frozen base in float8 (half its memory under ZeRO-0/1/2), or torchao's
-    float8 training for full fine-tuning (finetune/perf/precision.py); `auto` = fp8 on FP8 GPUs where its quality
-    gate passed (docs/performance.md), else bf16."""
+    """The linear layers' GEMMs: `fp8` = LoRA's frozen base in float8 (half its memory under ZeRO-0/1/2), or every
+    decoder projection's forward and input gradient in float8 for full fine-tuning (finetune/perf/precision.py);
+    `auto` = fp8 on FP8 GPUs where its quality gate passed (docs/performance.md), else bf16."""
 
 
 @dataclass

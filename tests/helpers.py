@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -64,6 +65,16 @@ def loopback_env(**extra: str) -> dict[str, str]:
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".cache", "torch_extensions"))
     env.update(extra)
     return env
+
+
+def run_under_triton_interpreter(cases: str, passed: int) -> None:
+    """Run a tests/drivers file of Triton kernel cases in a process of its own with TRITON_INTERPRET=1 (Triton reads it
+    at its import) and assert that all `passed` of them passed."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", cases],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+    assert re.search(rf"\b{passed} passed\b", out.stdout), out.stdout[-2000:]
 
 
 def save_tiny_model(dest: str, seed: int = 0, config_dir: str = SMALL_VOCAB, **shape: int) -> str:

@@ -114,17 +114,14 @@ def estimate_buffers(config_dict: dict[str, Any], ds: dict[str, Any], stage: int
 
 
 def fp8_buffers(config_dict: dict[str, Any], recipe, stage: int, fp8: bool) -> int:
-    """What FP8 GEMMs add while a layer computes: under LoRA ZeRO-3, the gathered layer's weights quantized (and one
-    projection's transposed copy in backward); under full fine-tuning, torchao's FP8 weight copies, kept for backward
-    by every layer whose activations are kept (all of them without checkpointing), and the computing layer's."""
-    if not fp8:
+    """What FP8 GEMMs add while a layer computes, where a weight is quantized at each use (LoRA under ZeRO-3, full
+    fine-tuning under any stage): the computing layer's weights at a byte each, and in backward a transposed copy
+    (a bound: each projection's copies are freed after its GEMM). LoRA under ZeRO-0/1/2 keeps its FP8 base copy in
+    the model states instead (estimate_model_states)."""
+    if not fp8 or (recipe.lora.enabled and stage < 3):
         return 0
-    shapes, layers = linear_shapes(config_dict), dims(config_dict)[4]
-    layer = sum(a * b for n, (a, b) in shapes.items() if n != "lm_head")
-    if recipe.lora.enabled:
-        return 2 * layer if stage == 3 else 0
-    kept = {"none": layers, "selective": layers - (recipe.model.recompute_layers or layers // 2)}
-    return layer * (1 + kept.get(recipe.model.activation_checkpointing, 0))
+    layer = sum(a * b for n, (a, b) in linear_shapes(config_dict).items() if n != "lm_head")
+    return 2 * layer
 
 
 def precision_bytes(ds: dict[str, Any], stage: int) -> tuple[int, int, int]:
@@ -173,7 +170,7 @@ def estimate_run(model_config: dict[str, Any], recipe, ds: dict[str, Any], world
                                 # a preference objective keeps the whole logits (each token's log-prob; perf.apply)
                                 fused_loss=m.fused_loss and recipe.train.objective == "sft",
                                 liger=uses_liger(m.kernels), recompute_layers=m.recompute_layers,
-                                fused_mlp=m.fused_mlp and not (fp8 and lora is None), tiled_mlp=tiled, sequence_parallel=sp,
+                                fused_mlp=m.fused_mlp, tiled_mlp=tiled, sequence_parallel=sp,
                                 recompute_segment=m.recompute_segment, offload_layers=m.offload_layers)
     buffers = estimate_buffers(model_config, ds, stage, weight_bytes) + fp8_buffers(model_config, recipe, stage, fp8)
     trained_bytes = adapter_bytes if lora is not None else weight_bytes

@@ -11,7 +11,8 @@ second model built in the same process (export, chat, a test) is transformers' o
 apply's order, and why:
   1. liger        RMSNorm, SwiGLU and RoPE kernels in the model's modules (the MLPs' forward included);
   2. fp8          the linear layers' precision (model.precision): LoRA's base layers swapped for FP8 ones, which
-                  the fused class then runs; for full fine-tuning torchao's Float8Linear, which fused_mlp leaves be;
+                  the fused class then runs; for full fine-tuning every decoder projection an Fp8Linear, whose
+                  down projection fused_mlp then runs in FP8 itself;
   3. fused_lora   peft's LoRA layers swapped for the fused class (with lora_dropout_kernel: its Triton dropout);
   4. fused_mlp    after LoRA, which decides whether down_proj is still a plain linear layer (an adapted one keeps its
                   path); it replaces the MLP forward liger set, and uses liger's SwiGLU product when liger is on;
@@ -53,7 +54,7 @@ class SpeedUp:
 SPEEDUPS = (
     SpeedUp("liger", "model.kernels", "none", "liger-kernel's Triton RMSNorm, SwiGLU and RoPE (CUDA)"),
     SpeedUp("fp8", "model.precision", "bf16",
-            "the linear layers' GEMMs in FP8: LoRA's frozen base weights, or torchao's float8 training (full)"),
+            "the linear layers' GEMMs in FP8: LoRA's frozen base weights, or every decoder projection (full)"),
     SpeedUp("fused_lora", "lora.fused", False,
             "each LoRA projection as one autograd function, base GEMM and adapter together"),
     SpeedUp("lora_dropout_kernel", "lora.dropout_kernel", "torch",

@@ -1,11 +1,15 @@
-"""FP8 GEMMs for LoRA's frozen base weight: W kept as float8_e4m3fn with one fp32 scale per output row.
+"""FP8 GEMMs for LoRA's frozen base weight, W kept as float8_e4m3fn with one fp32 scale per output row, and for a
+trained weight (full fine-tuning), quantized at each use.
 
     w_q, w_scale = quantize_weight(layer.weight)                   # once, at load time
     y = Fp8BaseLinearFunction.apply(x, w_q, w_scale, layer.bias)   # x·Wᵀ (+ bias); backward gives x its gradient
+    y = Fp8LinearFunction.apply(x, layer.weight, layer.bias)       # full fine-tuning: W's gradient too, in bf16
 
 The base GEMM of the forward (x·Wᵀ) and of the input gradient (grad_y·W) run in FP8; the adapters stay in the
 activations' dtype. x and grad_y are quantized per token and W per output row, each scale spanning the dimension
-its GEMM reduces, so one outlier costs the precision of its own row only. W gets no gradient, so x is not kept.
+its GEMM reduces, so one outlier costs the precision of its own row only. A frozen W gets no gradient, so x is not
+kept; a trained W's gradient is a GEMM in the activations' dtype over the kept x, so the optimizer's gradients keep
+bf16's precision.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ _AMAX_FLOOR = 1e-12
 
 def quantize_rows(t: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise e4m3 quantization over the last dim: (q, scale) with t ≈ q·scale, computed in fp32. With col_scale
-    (fp32, [1, cols]) it quantizes t·diag(col_scale), each column times its factor: inside the quantizer, so that a
-    torch.compile of it fuses the product into the same kernels.
+    (fp32, [1, cols]) it quantizes t·diag(col_scale), each column times its factor: inside the quantizer, so that
+    triton_quantize does the product in the same pass over t.
 
     scale = amax(|row|)/448, shape [..., 1], fp32, so each row's largest element maps to e4m3's largest finite value.
     e4m3 keeps 3 mantissa bits, so rounding moves an element by at most 2^-4 of its magnitude (half a unit in the last
@@ -38,9 +42,10 @@ def quantize_rows(t: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
 
 
 def quantize_weight(weight: torch.Tensor, quantize=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A frozen [out, in] weight as (w_q [out, in] e4m3, w_scale [out, 1] fp32): one scale per output row, the rows
-    that the forward's GEMM reduces over `in`. Under no_grad (the weight is never trained); once at load time, or at
-    each use of a ZeRO-3 layer's gathered weight, there through `quantize` (the compiled quantizer on a GPU: eager,
+    """An [out, in] weight as (w_q [out, in] e4m3, w_scale [out, 1] fp32): one scale per output row, the rows that
+    the forward's GEMM reduces over `in`. Under no_grad (no gradient flows through the copy: a trained weight's is
+    computed apart, Fp8LinearFunction); once at load time for a frozen weight, or at each use of a ZeRO-3 layer's
+    gathered or a trained weight, there through `quantize` (triton_quantize on a GPU: eager,
     quantizing every weight twice a step cost LoRA ZeRO-3 more than its FP8 GEMMs saved)."""
     with torch.no_grad():
         w_q, w_scale = (quantize or quantize_rows)(weight.detach())
@@ -90,17 +95,61 @@ def scaled_matmul(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b
 
 
 def quantizer(device: torch.device):
-    """The row-wise quantizer for a device: on an FP8 GPU a torch.compile of quantize_rows (its abs, amax, divide and
-    cast fused into two kernels; eager it costs more than the FP8 GEMM saves: docs/benchmarks/2026-12-03-h200-fp8-
-    linear.md), elsewhere quantize_rows itself (the same function, the same values)."""
-    if fp8_gemm_runs(device, torch.bfloat16):
-        return _compiled_quantize()
-    return quantize_rows
+    """The row-wise quantizer for a device: on an FP8 GPU triton_quantize (one kernel, one read of each row: eager
+    torch ops cost more than the FP8 GEMM saves, docs/benchmarks/2026-12-03-h200-fp8-linear.md, and torch.compile's
+    fusion of them read each row twice), elsewhere quantize_rows itself (the same values)."""
+    return triton_quantize if fp8_gemm_runs(device, torch.bfloat16) else quantize_rows
 
 
 @functools.cache
-def _compiled_quantize():
-    return torch.compile(quantize_rows, dynamic=True)
+def _kernels():
+    """finetune/perf/_fp8_triton.py, imported on first use: only FP8 GPU runs and the kernels' tests import triton."""
+    from finetune.perf import _fp8_triton
+
+    return _fp8_triton
+
+
+_MAX_BLOCK = 16_384  # the widest row a program holds in registers (Mistral-7B's 14,336); wider rows take two passes
+
+
+def triton_quantize(t: torch.Tensor, col_scale: torch.Tensor | None = None,
+                    q_dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows(t, col_scale) by _fp8_triton.quantize_rows_kernel: the same fp32 operations, one program per
+    row. q_dtype: e4m3, or fp32 for Triton's CPU interpreter, whose float8 cast rounds wrongly (the tests cast its fp32
+    values with torch; on a GPU the kernel's own cast is checked against quantize_rows, tests/gpu/test_gpu_fp8.py)."""
+    k = t.shape[-1]
+    x = t.reshape(-1, k).contiguous()
+    q = torch.empty(x.shape, dtype=q_dtype, device=x.device)
+    scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    col = x if col_scale is None else col_scale.reshape(-1).float().contiguous()
+    block = min(1 << (k - 1).bit_length(), _MAX_BLOCK)
+    if x.shape[0]:
+        _kernels().quantize_rows_kernel[(x.shape[0],)](x, col, q, scale, k, HAS_COL=col_scale is not None,
+                                                       BLOCK=block, ONE_BLOCK=block >= k,
+                                                       num_warps=max(4, min(16, block // 1024)))
+    return q.view(t.shape), scale.view(*t.shape[:-1], 1)
+
+
+def transposed(w_q: torch.Tensor) -> torch.Tensor:
+    """w_q [N, K] as a contiguous [K, N]: the input gradient's GEMM reads W with `out` innermost. On CUDA by
+    _fp8_triton.transpose_kernel, a tile at a time: .t().contiguous()'s element-wise strided copy of 1-byte values
+    took 40 ms of a 0.84 s Mistral-7B LoRA step on an H200 (224 weights a step)."""
+    return triton_transpose(w_q) if w_q.is_cuda else w_q.t().contiguous()
+
+
+_TRANSPOSE_TILE = 64
+
+
+def triton_transpose(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D tensor of 1-byte elements transposed into a new contiguous tensor, by the Triton kernel (bytes: the
+    kernel moves uint8, so no float8 arithmetic is involved)."""
+    m, n = t.shape
+    out = torch.empty(n, m, dtype=t.dtype, device=t.device)
+    if t.numel():
+        grid = (-(-m // _TRANSPOSE_TILE), -(-n // _TRANSPOSE_TILE))
+        _kernels().transpose_kernel[grid](t.contiguous().view(torch.uint8), out.view(torch.uint8), m, n,
+                                          BLOCK_M=_TRANSPOSE_TILE, BLOCK_N=_TRANSPOSE_TILE)
+    return out
 
 
 class _LastInput:
@@ -143,16 +192,21 @@ def fp8_input_grad(grad_y2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tens
     reduces over `out`, and a row-wise scaled GEMM takes scales along M and N only, never along K. Folded,
     grad_y·diag(s) is quantized row-wise (per token) and W_q, now [in, out] (K = out), takes unit scales."""
     g_q, g_scale = quantize(grad_y2, w_scale.t())
-    w_t = w_q.t().contiguous()  # the FP8 GEMM reads mat2 column-major: one copy of the 1-byte weight
-    ones = torch.ones(w_t.shape[0], 1, dtype=torch.float32, device=w_t.device)
-    return scaled_matmul(g_q, g_scale, w_t, ones, grad_y2.dtype)
+    w_t = transposed(w_q)  # the FP8 GEMM reads mat2 column-major: one copy of the 1-byte weight
+    return scaled_matmul(g_q, g_scale, w_t, _unit_scale(w_t.shape[0], w_t.device), grad_y2.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _unit_scale(n: int, device: torch.device) -> torch.Tensor:
+    """ones [n, 1] fp32: the scales of an operand that carries none (made once per width, not at every call)."""
+    return torch.ones(n, 1, dtype=torch.float32, device=device)
 
 
 class Fp8BaseLinearFunction(torch.autograd.Function):
     """y = x·Wᵀ (+ bias) for a frozen W = diag(w_scale)·w_q; x of any leading dims, bf16 or fp32, y in x's dtype.
 
     Gradients: x's, and bias's when it requires one; W gets none. `quantize` is the row-wise quantizer both directions
-    use: quantize_rows, or a torch.compile of it (the same function, fused into fewer kernels). Given `weight` (a
+    use: quantize_rows, or triton_quantize (the same values, one kernel). Given `weight` (a
     ZeRO-3 layer's gathered weight) instead of w_q and w_scale, W is quantized from it in forward and again in
     backward, so no FP8 copy outlives the layer's use.
     """
@@ -180,3 +234,33 @@ class Fp8BaseLinearFunction(torch.autograd.Function):
         if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
             grad_bias = g.sum(0).to(ctx.bias_dtype)
         return grad_x, None, None, grad_bias, None, None
+
+
+class Fp8LinearFunction(torch.autograd.Function):
+    """y = x·Wᵀ (+ bias) for a trained W (full fine-tuning): the forward's and the input gradient's GEMMs in FP8, W's
+    gradient gᵀ·x in the activations' dtype from the kept x, as F.linear's. W changes every step (and under ZeRO-3 it
+    is the gathered weight), so it is quantized at each use, in forward and again in backward: one read of W each,
+    where keeping the forward's FP8 copy for backward would hold a byte per parameter of every layer whose activations
+    are kept."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias=None, quantize=quantize_rows):
+        y = fp8_linear(x, *quantize_weight(weight, quantize), quantize)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        ctx.save_for_backward(x, weight)
+        ctx.quantize, ctx.has_bias = quantize, bias is not None
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        g = grad_y.reshape(-1, grad_y.shape[-1])
+        grad_x = grad_w = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = fp8_input_grad(g, *quantize_weight(weight, ctx.quantize), ctx.quantize).reshape(x.shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = (g.t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = g.sum(0)
+        return grad_x, grad_w, grad_bias, None

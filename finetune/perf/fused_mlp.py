@@ -11,7 +11,10 @@ Mistral-7B, most of what a layer keeps. Here the product is rebuilt from gate an
 times tokens and layers. The memory planner (finetune/memory/budget.py) counts that saving, so a run that fits more
 activations recomputes fewer layers; what it gave on H200s is in docs/benchmarks/2026-11-30-2xh200-vs-peer.md.
 
-Only an MLP whose down projection is a plain nn.Linear without bias is fused (a LoRA-adapted down_proj keeps peft's or
+Under model.precision=fp8 (full fine-tuning; finetune/perf/precision.py) the down projection's forward and input
+gradient GEMMs run in FP8 here too, its weight gradient in bf16, as every other FP8 projection's.
+
+Only an MLP whose down projection is a plain nn.Linear (or an FP8 one) without bias is fused (a LoRA-adapted down_proj keeps peft's or
 finetune/perf/fused_lora.py's path); parameter names and checkpoints are unchanged. Under ZeRO-3 down_proj's weight is an
 external parameter of the MLP, whose hooks gather it in forward and backward (the function never calls down_proj).
 """
@@ -20,6 +23,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from finetune.perf import fp8
+from finetune.perf.precision import Fp8Linear
 
 
 def _product(gate: torch.Tensor, up: torch.Tensor, liger: bool) -> torch.Tensor:
@@ -32,13 +38,19 @@ def _product(gate: torch.Tensor, up: torch.Tensor, liger: bool) -> torch.Tensor:
 
 
 class SwiGLUDownFunction(torch.autograd.Function):
-    """y = (silu(gate)·up)·Wᵀ, keeping gate, up and W for backward; gradients for gate, up and W."""
+    """y = (silu(gate)·up)·Wᵀ, keeping gate, up and W for backward; gradients for gate, up and W. With `quantize`
+    (an FP8 down projection) the product's GEMM and its input gradient's run in FP8 (fp8.Fp8LinearFunction's)."""
 
     @staticmethod
-    def forward(ctx, gate, up, weight, liger: bool):
-        y = F.linear(_product(gate, up, liger), weight)
+    def forward(ctx, gate, up, weight, liger: bool, quantize=None):
+        product = _product(gate, up, liger)
+        if quantize is None:
+            y = F.linear(product, weight)
+        else:
+            y = fp8.fp8_linear(product, *fp8.quantize_weight(weight, quantize), quantize)
+            y = y.view(*product.shape[:-1], weight.shape[0])
         ctx.save_for_backward(gate, up, weight)
-        ctx.liger = liger
+        ctx.liger, ctx.quantize = liger, quantize
         return y
 
     @staticmethod
@@ -49,7 +61,12 @@ class SwiGLUDownFunction(torch.autograd.Function):
             product = _product(gate, up, ctx.liger)  # rebuilt: the same kernel on the same inputs, the same bits
             grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t() @ product.reshape(-1, product.shape[-1])
             del product
-        grad_product = grad_y @ weight
+        if ctx.quantize is None:
+            grad_product = grad_y @ weight
+        else:
+            grad_product = fp8.fp8_input_grad(grad_y.reshape(-1, grad_y.shape[-1]),
+                                              *fp8.quantize_weight(weight, ctx.quantize), ctx.quantize)
+            grad_product = grad_product.view(*grad_y.shape[:-1], weight.shape[1])
         if ctx.liger:
             from liger_kernel.ops.swiglu import swiglu_backward  # optional dependency: only with liger installed
 
@@ -59,15 +76,15 @@ class SwiGLUDownFunction(torch.autograd.Function):
         else:  # as autograd differentiates silu(gate) * up: the same ops, the same bits
             grad_up = grad_product * F.silu(gate)
             grad_gate = torch.ops.aten.silu_backward(grad_product * up, gate)
-        return grad_gate, grad_up, grad_w, None
+        return grad_gate, grad_up, grad_w, None, None
 
 
 def fusable(mlp: torch.nn.Module) -> bool:
     """Whether mlp is a SwiGLU MLP (gate_proj, up_proj, down_proj; its config's hidden_act silu) whose down projection
-    is a plain nn.Linear."""
+    is a plain nn.Linear or an FP8 one."""
     down = getattr(mlp, "down_proj", None)
     act = getattr(getattr(mlp, "config", None), "hidden_act", None)
-    return (type(down) is torch.nn.Linear and down.bias is None and act in ("silu", "swish")
+    return (type(down) in (torch.nn.Linear, Fp8Linear) and down.bias is None and act in ("silu", "swish")
             and hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj"))
 
 
@@ -77,7 +94,8 @@ def fused_forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         weight = weight.to(torch.get_autocast_dtype(x.device.type))  # the cast autocast's F.linear would make
     if not gate.dtype == up.dtype == weight.dtype:
         return mlp.down_proj(_product(gate, up, mlp._fused_mlp_liger))
-    return SwiGLUDownFunction.apply(gate, up, weight, mlp._fused_mlp_liger)
+    quantize = fp8.quantizer(x.device) if type(mlp.down_proj) is Fp8Linear else None
+    return SwiGLUDownFunction.apply(gate, up, weight, mlp._fused_mlp_liger, quantize)
 
 
 def install_fused_mlp(model: torch.nn.Module, zero_stage: int, liger: bool) -> int:

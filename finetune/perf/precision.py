@@ -10,9 +10,12 @@ use (forward, and again in backward), so nothing gathered is kept. The forward's
 FP8; the adapters, norms, attention, loss and optimizer do not change. The FP8 copy is never trained and never
 saved (non-persistent buffers): checkpoints keep what they kept, and a merged export takes the base from model.path.
 
-Full fine-tuning: torchao's float8 training on every decoder linear layer (torchao.float8, FULL_RECIPE): the
-forward's and the input gradient's GEMMs in FP8, master weights and optimizer states as before. lm_head stays in
-bf16.
+Full fine-tuning: every decoder linear layer becomes an Fp8Linear: the forward's and the input gradient's GEMMs in
+FP8 with per-token and per-output-row scales, as LoRA's base, the weight quantized at each use; the weight gradient
+in bf16 from the kept input, as F.linear's (the one the optimizer accumulates keeps bf16's precision); master weights
+and optimizer states as before. Per-token scales make a token's result independent of the other tokens of its
+micro-batch (a tensor-wise scale is the whole micro-batch's largest value, padding included), so the same rows give
+the same losses on any number of ranks. lm_head stays in bf16.
 
 `auto` is FP8 only on GPUs with FP8 tensor cores (compute capability 8.9+) in a bf16 run, only for the kinds of run
 (LoRA, full) whose quality gate passed (benchmarks/precision.py, docs/performance.md), and only for micro-batches
@@ -25,19 +28,12 @@ from __future__ import annotations
 
 import torch
 
-from finetune.config import ConfigError
 from finetune.perf import fp8
 
-FULL_RECIPE = "rowwise_with_gw_hp"
-"""torchao's float8 recipe for full fine-tuning: the forward's and the input gradient's GEMMs in FP8 with per-token
-and per-channel scales (as LoRA's base), the weight gradient in bf16. Per-token scales make a token's result
-independent of the other tokens of its micro-batch (a tensorwise scale is the whole micro-batch's largest value,
-padding included), so the same rows give the same losses on any number of ranks; and the weight gradient, the one
-the optimizer accumulates, keeps bf16's precision."""
 GATE_PASSED = {"lora": True, "full": False}
 """Where `auto` may pick FP8: the kinds of run whose quality gate passed on an H200 (benchmarks/precision.py,
 docs/benchmarks/2026-12-03-h200-fp8-precision.md): LoRA's loss within 0.10% of bf16 over 200 steps, eval 0.02%.
-Full fine-tuning stays bf16: torchao's eager float8 ran at 0.6x bf16's speed there, and its gate did not finish."""
+Full fine-tuning stays bf16: its gate (torchao's float8 then, 0.16% over 200 steps) ran at 0.65x bf16's speed."""
 AUTO_MIN_TOKENS = 16_384
 """`auto` picks FP8 for micro-batches of at least this many tokens: LoRA ZeRO-2 on an H200 ran 1.20x bf16's tok/s at
 8 rows of 2,048 tokens and 0.85x at 4 rows, where the quantizers' and GEMMs' fixed costs per call outweigh the faster
@@ -62,6 +58,17 @@ def resolve(precision: str, lora: bool, bf16: bool, micro_batch_tokens: int, seq
     measured = micro_batch_tokens >= AUTO_MIN_TOKENS and seq_len <= AUTO_MAX_SEQ_LEN
     wanted = GATE_PASSED["lora" if lora else "full"] and measured
     return "fp8" if bf16 and wanted and fp8.fp8_gemm_runs(device, torch.bfloat16) else "bf16"
+
+
+class Fp8Linear(torch.nn.Linear):
+    """A trained nn.Linear (full fine-tuning) whose forward GEMM and input-gradient GEMM run in FP8: its parameters,
+    names and checkpoints are nn.Linear's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8.Fp8LinearFunction.apply(x, self.weight, self.bias, fp8.quantizer(x.device))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", fp8=e4m3 row-wise, weight gradient in the input's dtype"
 
 
 class Fp8FrozenLinear(torch.nn.Linear):
@@ -118,19 +125,9 @@ def _install_lora(model: torch.nn.Module, keep_fp8: bool) -> int:
 
 
 def _install_full(model: torch.nn.Module) -> int:
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    except ImportError as e:
-        raise ConfigError("model.precision=fp8 for full fine-tuning needs torchao: pip install torchao, or set "
-                          "model.precision=bf16") from e
-    converted = []
-
-    def decoder_linear(module: torch.nn.Module, name: str) -> bool:
-        keep = isinstance(module, torch.nn.Linear) and ".layers." in f".{name}"
-        if keep:
-            converted.append(name)
-        return keep
-
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(FULL_RECIPE),
-                               module_filter_fn=decoder_linear)
-    return len(converted)
+    """Every decoder nn.Linear becomes an Fp8Linear (its class swapped: the same parameters); lm_head stays."""
+    layers = [m for name, m in model.named_modules()
+              if type(m) is torch.nn.Linear and ".layers." in f".{name}"]
+    for layer in layers:
+        layer.__class__ = Fp8Linear
+    return len(layers)

@@ -4,21 +4,12 @@ fused LoRA function with them equals autograd over that mask, recomputation redr
 where torch's path keeps a bool per element. Here: those cases, the estimator's term, what `auto` resolves to and the
 config's errors. On CUDA (bf16, Mistral-7B's widths) the same checks are tests/gpu/test_gpu_lora_dropout.py."""
 
-import os
-import re
-import subprocess
-import sys
 import pytest
 import torch
-from tests.helpers import ROOT
+from tests.helpers import run_under_triton_interpreter
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU, tests/gpu/test_gpu_lora_dropout.py runs the compiled kernels "
                     "(and Triton 3.6's interpreter, there, fails on them; CI's 3.9 runs them)")
 def test_kernels_under_tritons_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                          "tests/drivers/lora_dropout_cases.py"], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
-    assert re.search(r"\b6 passed\b", out.stdout), out.stdout[-2000:]
+    run_under_triton_interpreter("tests/drivers/lora_dropout_cases.py", passed=6)

@@ -1,5 +1,5 @@
 """model.precision=fp8 in real engines on CPU (gloo, loopback): LoRA with its FP8 base (kept under ZeRO-2, quantized at
-each use under ZeRO-3) and full fine-tuning with torchao's float8, on 1 rank and on 2.
+each use under ZeRO-3) and full fine-tuning's FP8 projections, on 1 rank and on 2.
 
 - ZeRO-2 and ZeRO-3 on 2 ranks give the losses of ZeRO-2 on 1 rank (fp32, 1e-5), LoRA and full;
 - 3 steps, stop, resume to 6: steps 4-6 bit-identical to the straight run, under ZeRO-2 (whose checkpoint holds no

@@ -9,6 +9,7 @@ import torch
 
 from finetune.perf import fp8
 from finetune.perf.fp8 import Fp8BaseLinearFunction, quantize_rows, quantize_weight, scaled_matmul
+from tests.helpers import run_under_triton_interpreter
 
 IN, OUT = 64, 48
 
@@ -189,3 +190,10 @@ def test_the_shared_input_quantization_keeps_no_activation_alive():
     assert alive() is None and fp8.LAST_INPUT.value is None
     x2 = _layer(seed=1)[0]
     assert not torch.equal(fp8.fp8_linear(x2, w_q, w_scale), first)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU, tests/gpu/test_gpu_fp8.py runs the compiled kernels")
+def test_triton_kernels_under_the_interpreter_equal_quantize_rows_and_torchs_transpose():
+    """The GPU's quantizer and transpose (finetune/perf/_fp8_triton.py) in Triton's CPU interpreter:
+    tests/drivers/fp8_kernel_cases.py, in a process of its own (Triton reads TRITON_INTERPRET at its import)."""
+    run_under_triton_interpreter("tests/drivers/fp8_kernel_cases.py", passed=8)

@@ -59,7 +59,7 @@ def test_adapter_changes_refuse_when_lora_is_on(override, key):
 def test_a_lora_bases_precision_refuses_below_zero3_only():
     """An FP8 LoRA base under ZeRO-0/1/2 is a copy that replaces the weight and is not saved: a checkpoint of either
     precision does not load into the other's module. ZeRO-3 keeps the 16-bit weight, saved either way; full
-    fine-tuning's FP8 (torchao) keeps the weights too."""
+    fine-tuning's FP8 quantizes its trained weights at each use and keeps them too."""
     def at(stage, *overrides):
         config = _config("lora.enabled=true", *overrides)
         return {**config, "ds_config": {"zero_optimization": {"stage": stage}}}
