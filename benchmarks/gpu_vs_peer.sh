@@ -13,8 +13,10 @@ if [ -z "${SKIP_KERNEL_TEST:-}" ]; then
 fi
 name=${VP_NAME:-vp}  # several runs on one machine: VP_NAME=a ..., VP_NAME=b ...
 # runs/$name/vs_peer.json carried back in (with --resume) continues a benchmark that a capped call cut short.
-python benchmarks/vs_peer.py --model /tmp/init --tokenizer .gpu/tokenizer --data /tmp/syn.jsonl --gpus "${GPUS:-2}" \
+python benchmarks/vs_peer.py --model /tmp/init --tokenizer "${TOKENIZER:-.gpu/tokenizer}" --data /tmp/syn.jsonl --gpus "${GPUS:-2}" \
   --out "runs/$name" "$@"
+rc=$?  # 3: --stop-after left runs for --resume
 # The device returns at most 8 files: one archive per call (vs_peer.json, logs, each zerotune run's metrics and plan).
 rm -rf runs/"$name"/*/.cache && tar czf "$OUT/$name.tgz" -C runs "$name"
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader | head -1
+exit $rc
