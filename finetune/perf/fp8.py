@@ -23,6 +23,10 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448: the largest finite e4m3fn value (it has no inf)
 # The smallest row amax a scale is built from: an all-zero row gets a finite scale and quantizes to zeros.
 _AMAX_FLOOR = 1e-12
+# scale = amax·(1/448): a product, not amax/448, because torch on CUDA divides by a scalar as a product with its
+# reciprocal (and on CPU by true division): written as the product, quantize_rows gives the same scales on both, and
+# the Triton kernel (_fp8_triton.py) the same again.
+_INV_E4M3_MAX = 1.0 / E4M3_MAX
 
 
 def quantize_rows(t: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,12 +34,12 @@ def quantize_rows(t: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
     (fp32, [1, cols]) it quantizes t·diag(col_scale), each column times its factor: inside the quantizer, so that
     triton_quantize does the product in the same pass over t.
 
-    scale = amax(|row|)/448, shape [..., 1], fp32, so each row's largest element maps to e4m3's largest finite value.
+    scale = amax(|row|)·(1/448), shape [..., 1], fp32, so each row's largest element maps to e4m3's largest finite value.
     e4m3 keeps 3 mantissa bits, so rounding moves an element by at most 2^-4 of its magnitude (half a unit in the last
     place), or by scale·2^-10 where t/scale falls among the subnormals (below 2^-6): |q·scale - t| <= 2^-4·amax.
     """
     t = t.float() if col_scale is None else t.float() * col_scale
-    scale = t.abs().amax(dim=-1, keepdim=True).clamp(min=_AMAX_FLOOR) / E4M3_MAX
+    scale = t.abs().amax(dim=-1, keepdim=True).clamp(min=_AMAX_FLOOR) * _INV_E4M3_MAX
     # t/scale can round a hair past 448 in fp32, and e4m3fn turns what lies past its range into NaN: clamp first.
     q = (t / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q, scale

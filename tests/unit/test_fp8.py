@@ -15,9 +15,9 @@ IN, OUT = 64, 48
 
 
 def _reference_quantize(t):
-    """Row-wise e4m3, written apart from the module: scale = amax/448 (amax at least 1e-12), q = t/scale."""
+    """Row-wise e4m3, written apart from the module: scale = amax·(1/448) (amax at least 1e-12), q = t/scale."""
     t = t.float()
-    scale = t.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
+    scale = t.abs().amax(-1, keepdim=True).clamp(min=1e-12) * (1 / 448.0)
     return (t / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
 
 
