@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # FP8 against the peer on one GPU, Mistral-7B's shape, 8 rows of 2,048 tokens a step, in one command: the FP8 kernels'
 # GPU tests, then benchmarks/vs_peer.py: LoRA ZeRO-2 and ZeRO-3 (zerotune's defaults, which are FP8 there) and full
-# ZeRO-3 (zerotune's default bf16 and model.precision=fp8), each beside HF Trainer + DeepSpeed's best settings.
+# ZeRO-3 (model.precision=fp8), each beside HF Trainer + DeepSpeed's best settings.
 #   bash benchmarks/gpu_fp8_vs_peer.sh            # carry .whl; a capped machine: the same command again continues
 # Results: $OUT/${VP_NAME:-fp8}.tgz (vs_peer.json, logs) and the table.
 export SKIP_KERNEL_TEST=1 VP_NAME=${VP_NAME:-fp8} GPUS=1 TOKENIZER=mistral-common
@@ -12,5 +12,5 @@ common=(--steps 12 --skip 4 --timeout 240 --resume)
 start=$SECONDS; budget=${STOP_AFTER:-420}  # start no run after this many seconds of the command
 bash benchmarks/gpu_vs_peer.sh --configs lora_zero2 lora_zero3 --systems zerotune peer_best "${common[@]}" \
   --stop-after "$budget" || exit
-bash benchmarks/gpu_vs_peer.sh --configs full_zero3 --systems zerotune peer_best --variant fp8 model.precision=fp8 \
+bash benchmarks/gpu_vs_peer.sh --configs full_zero3 --systems zerotune peer_best --set model.precision=fp8 \
   "${common[@]}" --stop-after $((budget - (SECONDS - start)))

@@ -74,7 +74,7 @@ def run_zerotune(config: str, a: argparse.Namespace, variant: list[str] | None =
     system = "zerotune" if not variant else f"zerotune:{variant[0]}"
     out = os.path.join(a.out, system.replace(":", "_") + f"_{config}")
     ds_file = f"ds_configs/{zero}.json"
-    sets = [v for v in (variant or [])[1:] if not v.startswith(("ds.", "env."))]
+    sets = (a.set or []) + [v for v in (variant or [])[1:] if not v.startswith(("ds.", "env."))]
     ds_sets = [v[3:] for v in (variant or [])[1:] if v.startswith("ds.")]
     env = dict(v[4:].split("=", 1) for v in (variant or [])[1:] if v.startswith("env."))
     if ds_sets:
@@ -109,7 +109,8 @@ def run_zerotune(config: str, a: argparse.Namespace, variant: list[str] | None =
 
 
 def _settings(run_dir: str) -> str:
-    """What zerotune chose: checkpointing and micro-batch (recipe.yaml, as resolved), kernels (the log)."""
+    """What zerotune chose: checkpointing and micro-batch (recipe.yaml, as resolved), kernels (the log), the GEMMs'
+    precision (speedups.json)."""
     import yaml
 
     recipe = yaml.safe_load(open(os.path.join(run_dir, "recipe.yaml")))
@@ -118,8 +119,9 @@ def _settings(run_dir: str) -> str:
     if recipe["model"].get("recompute_layers"):  # of the model's layers (config.json)
         layers = json.load(open(os.path.join(recipe["model"]["path"], "config.json")))["num_hidden_layers"]
         ckpt += f" {recipe['model']['recompute_layers']}/{layers}"
+    fp8 = any(r["name"] == "fp8" and r["on"] for r in json.load(open(os.path.join(run_dir, "speedups.json"))))
     return (f"ckpt {ckpt}, liger {'on' if liger else 'off'}, "
-            f"mbs {recipe['train']['micro_batch_size']}x{recipe['train']['grad_accum']}")
+            f"mbs {recipe['train']['micro_batch_size']}x{recipe['train']['grad_accum']}, {'fp8' if fp8 else 'bf16'}")
 
 
 def run_peer(system: str, config: str, a: argparse.Namespace) -> dict:
@@ -210,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant", nargs="+", action="append", metavar="LABEL KEY=VALUE",
                    help="also run zerotune with recipe overrides, ds.<path>=<json> DeepSpeed edits and env.<NAME>=<value> "
                         "variables, as row zerotune:LABEL (A/B experiments; repeatable)")
+    p.add_argument("--set", nargs="+", metavar="KEY=VALUE",
+                   help="recipe overrides for every zerotune row (e.g. model.precision=fp8); variants add theirs after")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--skip", type=int, default=4)
