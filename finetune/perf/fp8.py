@@ -85,8 +85,13 @@ def fp8_gemm_runs(device: torch.device, out_dtype: torch.dtype) -> bool:
     path that tests compare against (tests/unit/test_fp8.py checks torch's CPU _scaled_mm against it, which also
     checks the operand layout the CUDA call is given).
     """
-    return (device.type == "cuda" and out_dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(device) >= (8, 9))
+    return device.type == "cuda" and out_dtype == torch.bfloat16 and _capability(device) >= (8, 9)
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability, asked once: every FP8 projection asks it at every call."""
+    return torch.cuda.get_device_capability(device)
 
 
 def scaled_matmul(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
