@@ -74,12 +74,14 @@ def test_variant_edits_reach_the_launch(tmp_path, monkeypatch):
 
     monkeypatch.setattr(vs_peer, "launch", fake_launch)
     a = argparse.Namespace(out=str(tmp_path), model="m", tokenizer="t", data="d", seq=128, steps=3, skip=1, gpus=2,
-                           timeout=10)
+                           timeout=10, set=["model.precision=fp8"])
     result = vs_peer.run_zerotune("full_zero3", a, ["try", "model.recompute_layers=8",
                                                    "ds.zero_optimization.reduce_bucket_size=200000000",
                                                    "env.NCCL_MAX_NCHANNELS=4"])
     assert result["system"] == "zerotune:try" and result["exit"] == 1 and result["error"] == "stopped here"
-    assert launched["script"][-1] == "model.recompute_layers=8" and launched["env"] == {"NCCL_MAX_NCHANNELS": "4"}
+    # --set's overrides first, the variant's after them (they win where both set a key)
+    assert launched["script"][-2:] == ["model.precision=fp8", "model.recompute_layers=8"]
+    assert launched["env"] == {"NCCL_MAX_NCHANNELS": "4"}
     edited = json.load(open(launched["script"][launched["script"].index("--deepspeed") + 1]))
     assert edited["zero_optimization"]["reduce_bucket_size"] == 200000000
     assert edited["zero_optimization"]["stage"] == 3  # the rest of ds_configs/zero3.json is kept
@@ -94,7 +96,10 @@ def test_settings_name_the_recomputed_layers_of_the_model(tmp_path):
         "model": {"activation_checkpointing": "selective", "recompute_layers": 4, "path": TINY_MODEL},
         "train": {"micro_batch_size": 8, "grad_accum": 1}}))
     (tmp_path / "zerotune_full_zero3.log").write_text("kernels: liger-kernel's RMSNorm, SwiGLU and RoPE\n")
-    assert vs_peer._settings(str(run)) == "ckpt selective 4/4, liger on, mbs 8x1"  # the tiny model has 4 layers
+    (run / "speedups.json").write_text(json.dumps([{"name": "fp8", "switch": "model.precision", "on": False}]))
+    assert vs_peer._settings(str(run)) == "ckpt selective 4/4, liger on, mbs 8x1, bf16"  # the tiny model: 4 layers
+    (run / "speedups.json").write_text(json.dumps([{"name": "fp8", "switch": "model.precision", "on": True}]))
+    assert vs_peer._settings(str(run)).endswith(", fp8")
 
 
 def test_peer_steps_are_timed_end_to_end_like_zerotunes():
