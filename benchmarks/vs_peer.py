@@ -109,17 +109,17 @@ def run_zerotune(config: str, a: argparse.Namespace, variant: list[str] | None =
 
 
 def _settings(run_dir: str) -> str:
-    """What zerotune chose: checkpointing and micro-batch (recipe.yaml, as resolved), kernels (the log), the GEMMs'
-    precision (speedups.json)."""
+    """What zerotune chose: checkpointing and micro-batch (recipe.yaml, as resolved), liger and the GEMMs' precision
+    (speedups.json, what the run applied)."""
     import yaml
 
     recipe = yaml.safe_load(open(os.path.join(run_dir, "recipe.yaml")))
-    liger = "kernels: liger" in open(run_dir + ".log").read()
     ckpt = recipe["model"]["activation_checkpointing"]
     if recipe["model"].get("recompute_layers"):  # of the model's layers (config.json)
         layers = json.load(open(os.path.join(recipe["model"]["path"], "config.json")))["num_hidden_layers"]
         ckpt += f" {recipe['model']['recompute_layers']}/{layers}"
-    fp8 = any(r["name"] == "fp8" and r["on"] for r in json.load(open(os.path.join(run_dir, "speedups.json"))))
+    applied = {r["name"] for r in json.load(open(os.path.join(run_dir, "speedups.json"))) if r["on"]}
+    liger, fp8 = "liger" in applied, "fp8" in applied
     return (f"ckpt {ckpt}, liger {'on' if liger else 'off'}, "
             f"mbs {recipe['train']['micro_batch_size']}x{recipe['train']['grad_accum']}, {'fp8' if fp8 else 'bf16'}")
 

@@ -30,14 +30,16 @@ import torch
 
 from finetune.perf import fp8
 
-GATE_PASSED = {"lora": True, "full": False}
-"""Where `auto` may pick FP8: the kinds of run whose quality gate passed on an H200 (benchmarks/precision.py,
-docs/benchmarks/2026-12-03-h200-fp8-precision.md): LoRA's loss within 0.10% of bf16 over 200 steps, eval 0.02%.
-Full fine-tuning stays bf16: its gate (torchao's float8 then, 0.16% over 200 steps) ran at 0.65x bf16's speed."""
+GATE_PASSED = {"lora": True, "full": True}
+"""Where `auto` may pick FP8: the kinds of run whose quality gate passed on an H200 (benchmarks/precision.py, 200
+steps from the same init on the same batches): LoRA ZeRO-2 within 0.10% of bf16's loss at every step, eval 0.02%
+(docs/benchmarks/2026-12-03-h200-fp8-precision.md); full fine-tuning ZeRO-3 through Fp8Linear within 0.16%, eval
+0.01% (docs/benchmarks/2026-12-04-h200-fp8-vs-peer.md). At 8 rows of 2,048 tokens FP8 ran LoRA ZeRO-2 at 1.33x
+bf16's tok/s and full ZeRO-3 at 1.20x (the same page)."""
 AUTO_MIN_TOKENS = 16_384
-"""`auto` picks FP8 for micro-batches of at least this many tokens: LoRA ZeRO-2 on an H200 ran 1.20x bf16's tok/s at
-8 rows of 2,048 tokens and 0.85x at 4 rows, where the quantizers' and GEMMs' fixed costs per call outweigh the faster
-GEMMs."""
+"""`auto` picks FP8 for micro-batches of at least this many tokens: on an H200 FP8 ran below bf16's tok/s at smaller
+ones (LoRA ZeRO-2 0.85x at 4 rows of 2,048 tokens, full ZeRO-3 0.78x at 1 row), where the quantizers' and GEMMs'
+fixed costs per call outweigh the faster GEMMs."""
 AUTO_MAX_SEQ_LEN = 2048
 """...and for rows no longer than the gate's: longer rows (attention over more positions, tiled MLPs, long-context
 RoPE) are not what it measured, so `auto` keeps bf16 there; model.precision=fp8 still runs them."""

@@ -35,6 +35,16 @@ def test_every_shipped_config_resolves(recipe, ds, tmp_path):
     assert "optimizer" not in engine_config(resolved)
 
 
+@pytest.mark.parametrize("ds, world_size, overlap", [("zero2.json", 1, False), ("zero2.json", 2, True),
+                                                    ("zero3.json", 1, True)])
+def test_overlap_comm_auto_is_off_for_one_rank_at_zero2(ds, world_size, overlap, tmp_path):
+    """ZeRO-2's overlap only adds device-wide waits on one rank; ZeRO-3 keeps it (its weight prefetch uses it)."""
+    cfg = json.load(open(os.path.join(ROOT, "ds_configs", ds)))
+    cfg["zero_optimization"]["overlap_comm"] = "auto"
+    resolved = resolve_ds_config(_write(tmp_path, cfg), load_recipe(TINY_RECIPE), world_size, 128)
+    assert resolved["zero_optimization"]["overlap_comm"] is overlap
+
+
 def test_overrides_apply_with_types():
     r = load_recipe(TINY_RECIPE, ["train.max_steps=20", "lora.rank=8", "optim.lr=5e-3", "lora.target_modules=q_proj,v_proj"])
     assert (r.train.max_steps, r.lora.rank, r.optim.lr) == (20, 8, 5e-3)

@@ -95,11 +95,14 @@ def test_settings_name_the_recomputed_layers_of_the_model(tmp_path):
     (run / "recipe.yaml").write_text(yaml.safe_dump({
         "model": {"activation_checkpointing": "selective", "recompute_layers": 4, "path": TINY_MODEL},
         "train": {"micro_batch_size": 8, "grad_accum": 1}}))
-    (tmp_path / "zerotune_full_zero3.log").write_text("kernels: liger-kernel's RMSNorm, SwiGLU and RoPE\n")
-    (run / "speedups.json").write_text(json.dumps([{"name": "fp8", "switch": "model.precision", "on": False}]))
+    def applied(liger: bool, fp8: bool) -> None:  # speedups.json as a run writes it
+        (run / "speedups.json").write_text(json.dumps([{"name": "liger", "switch": "model.kernels", "on": liger},
+                                                       {"name": "fp8", "switch": "model.precision", "on": fp8}]))
+
+    applied(liger=True, fp8=False)
     assert vs_peer._settings(str(run)) == "ckpt selective 4/4, liger on, mbs 8x1, bf16"  # the tiny model: 4 layers
-    (run / "speedups.json").write_text(json.dumps([{"name": "fp8", "switch": "model.precision", "on": True}]))
-    assert vs_peer._settings(str(run)).endswith(", fp8")
+    applied(liger=False, fp8=True)
+    assert vs_peer._settings(str(run)).endswith("liger off, mbs 8x1, fp8")
 
 
 def test_peer_steps_are_timed_end_to_end_like_zerotunes():
