@@ -75,8 +75,8 @@ def resolve_ds_config(
             zero[key] = value
     if zero.get("overlap_comm") == AUTO:
         # ZeRO-1/2's overlap synchronizes the whole device before each gradient bucket is reduced (DeepSpeed 0.19's
-        # stage_1_and_2.py, allreduce_and_copy): on one rank there is no communication to hide, only those waits
-        # (Mistral-7B LoRA on one H200: 1% faster without). ZeRO-3 prefetches weights through it: 20% slower off.
+        # stage_1_and_2.py, allreduce_and_copy): on one rank there is no communication to hide, only those waits.
+        # ZeRO-3 prefetches weights through it, so it stays on there (docs/benchmarks/2026-12-04-h200-fp8-vs-peer.md).
         zero["overlap_comm"] = world_size > 1 or zero.get("stage") == 3
     _fill_nvme(zero, recipe, path, recipe_path, hidden_size * vocab_size)
 
