@@ -160,7 +160,8 @@ def table(results: list[dict], seq: int = 2048) -> str:
                 continue
             tps = r.get("tokens_per_s_per_gpu")
             if tps is None:
-                lines.append(f"| {config} | {system} | {r.get('settings', '')} | failed (exit {r['exit']}) | | | | |")
+                why = "out of memory" if "OutOfMemoryError" in r.get("error", "") else "failed"
+                lines.append(f"| {config} | {system} | {r.get('settings', '')} | {why} (exit {r['exit']}) | | | | |")
                 continue
             mfu = tps * issue_flops_per_token(seq) / (H200_TFLOPS * 1e12)
             ratio = f"{ours / tps:.2f}" if ours and system != "zerotune" else ""

@@ -130,3 +130,13 @@ def test_run_peer_reports_both_timings(tmp_path, monkeypatch):
     r = vs_peer.run_peer("peer_best", "full_zero2", a)
     assert r["tokens_per_s_per_gpu"] == 8 * 2048 / 2.0
     assert r["tokens_per_s_per_gpu_callback"] == pytest.approx(8 * 2048 / 1.6)
+
+
+def test_a_failed_row_says_whether_it_ran_out_of_memory():
+    """A peer setting tuned on two GPUs can ask one for more than it has: the row says so, from the log's tail."""
+    oom = {"system": "peer_best", "config": "full_zero3", "exit": 1, "settings": "ckpt off",
+           "error": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 224.00 MiB."}
+    crash = {**oom, "config": "lora_zero3", "error": "RuntimeError: NCCL error"}
+    rows = vs_peer.table([oom, crash]).splitlines()
+    assert any(line.startswith("| full_zero3 | peer_best | ckpt off | out of memory (exit 1) |") for line in rows)
+    assert any(line.startswith("| lora_zero3 | peer_best | ckpt off | failed (exit 1) |") for line in rows)
