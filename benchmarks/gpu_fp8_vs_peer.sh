@@ -9,7 +9,7 @@ export SKIP_KERNEL_TEST=1 VP_NAME=${VP_NAME:-fp8} GPUS=1 TOKENIZER=mistral-commo
 source benchmarks/gpu_setup.sh
 python -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fp8.py 2>&1 | tail -3 | tee "$OUT/gpu_fp8_tests.txt"
 grep -q " passed" "$OUT/gpu_fp8_tests.txt" && ! grep -q "failed\|error" "$OUT/gpu_fp8_tests.txt" || { echo "FP8 GPU tests failed: no benchmark"; exit 1; }
-common=(--steps 16 --skip 6 --timeout 240 --resume)
+common=(--steps 16 --skip 6 --timeout 240 --resume --target lora_zero2=22000 lora_zero3=20000 full_zero3=11000)
 start=$SECONDS; budget=${STOP_AFTER:-420}  # start no run after this many seconds of the command
 left() { echo $((budget - (SECONDS - start))); }
 # zerotune's three rows first, then the peer's: a call cut short has the new figures

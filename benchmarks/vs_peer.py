@@ -145,7 +145,9 @@ def run_peer(system: str, config: str, a: argparse.Namespace) -> dict:
     return result
 
 
-def table(results: list[dict], seq: int = 2048) -> str:
+def table(results: list[dict], seq: int = 2048, targets: dict[str, int] | None = None) -> str:
+    """The markdown table; `targets` (tok/s/GPU by config) replaces TARGETS' where given."""
+    targets = {**TARGETS, **(targets or {})}
     by = {(r["system"], r["config"]): r for r in results}
     lines = ["| config | system | settings | tok/s/GPU | MFU | peak GiB | zerotune / this | target |",
              "|---|---|---|---:|---:|---:|---:|---:|"]
@@ -165,7 +167,7 @@ def table(results: list[dict], seq: int = 2048) -> str:
                 continue
             mfu = tps * issue_flops_per_token(seq) / (H200_TFLOPS * 1e12)
             ratio = f"{ours / tps:.2f}" if ours and system != "zerotune" else ""
-            target = f"{TARGETS[config]:,}" if system == "zerotune" else ""
+            target = f"{targets[config]:,}" if system == "zerotune" else ""
             lines.append(f"| {config} | {system} | {r.get('settings', '')} | {tps:,.0f} | {mfu:.1%} | "
                          f"{r['peak_mem_gib']:.1f} | {ratio} | {target} |")
     return "\n".join(lines)
@@ -226,13 +228,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="start no run after this many seconds (then rerun with --resume for the rest)")
     p.add_argument("--table", nargs="+", metavar="JSON", help="only merge these result files and print the table")
     p.add_argument("--plot", metavar="PNG", help="with --table: also draw the bars")
+    p.add_argument("--target", nargs="+", default=[], metavar="CONFIG=TOK_S",
+                   help="the table's target for a config (tok/s/GPU), e.g. lora_zero2=22000; default TARGETS")
     a = p.parse_args(argv)
+    try:
+        targets = {c: int(v) for c, v in (t.split("=", 1) for t in a.target)}
+    except ValueError:
+        p.error(f"--target takes CONFIG=TOK_S (an integer), got {' '.join(a.target)}")
+    if set(targets) - set(CONFIGS):
+        p.error(f"--target: unknown config {sorted(set(targets) - set(CONFIGS))}; one of {', '.join(CONFIGS)}")
     if a.table:
         merged = {}
         for path in a.table:
             for r in json.load(open(path))["runs"]:
                 merged[(r["system"], r["config"])] = r
-        print(table(list(merged.values())))
+        print(table(list(merged.values()), targets=targets))
         if a.plot:
             plot(list(merged.values()), a.plot)
         return 0
@@ -255,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                 if a.stop_after is not None and time.monotonic() - started > a.stop_after:
                     print(f"--stop-after {a.stop_after:g} s: {name} {config} and the runs after it are left for "
                           f"--resume", flush=True)
-                    print(table(results, a.seq))
+                    print(table(results, a.seq, targets))
                     return 3
                 r = run_zerotune(config, a, variant) if system == "zerotune" else run_peer(system, config, a)
                 results.append(r)
@@ -266,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                 with open(out_json, "w") as f:
                     json.dump({"runs": results, "seq": a.seq, "gpus": a.gpus, "steps": a.steps, "skip": a.skip,
                                "versions": versions()}, f, indent=2)
-    print(table(results, a.seq))
+    print(table(results, a.seq, targets))
     return 0
 
 

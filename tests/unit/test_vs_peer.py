@@ -140,3 +140,16 @@ def test_a_failed_row_says_whether_it_ran_out_of_memory():
     rows = vs_peer.table([oom, crash]).splitlines()
     assert any(line.startswith("| full_zero3 | peer_best | ckpt off | out of memory (exit 1) |") for line in rows)
     assert any(line.startswith("| lora_zero3 | peer_best | ckpt off | failed (exit 1) |") for line in rows)
+
+
+def test_targets_given_on_the_command_line_replace_the_defaults_in_the_table(tmp_path, capsys):
+    """gpu_fp8_vs_peer.sh shows its own targets: --target CONFIG=TOK_S, in the zerotune row's target column."""
+    run = {"system": "zerotune", "config": "lora_zero2", "exit": 0, "tokens_per_s_per_gpu": 21000.0,
+           "peak_mem_gib": 70.0, "settings": "ckpt none"}
+    (tmp_path / "vs_peer.json").write_text(json.dumps({"runs": [run]}))
+    assert vs_peer.main(["--table", str(tmp_path / "vs_peer.json"), "--target", "lora_zero2=22000"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| lora_zero2 | zerotune"))
+    assert row.endswith("| 22,000 |"), row
+    assert vs_peer.table([run]).splitlines()[-1].endswith(f"| {vs_peer.TARGETS['lora_zero2']:,} |")
+    with pytest.raises(SystemExit):
+        vs_peer.main(["--table", str(tmp_path / "vs_peer.json"), "--target", "lora_zero4=1"])
