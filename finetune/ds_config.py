@@ -69,15 +69,14 @@ def resolve_ds_config(
         "reduce_bucket_size": hidden_size * hidden_size,
         "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
         "stage3_param_persistence_threshold": 10 * hidden_size,
+        # ZeRO-1/2's overlap synchronizes the whole device before each gradient bucket is reduced (DeepSpeed 0.19's
+        # stage_1_and_2.py, allreduce_and_copy): on one rank there is no communication to hide, only those waits.
+        # ZeRO-3 prefetches weights through it, so it stays on there (docs/benchmarks/2026-12-04-h200-fp8-vs-peer.md).
+        "overlap_comm": world_size > 1 or zero.get("stage") == 3,
     }
     for key, value in engine_auto.items():
         if zero.get(key) == AUTO:
             zero[key] = value
-    if zero.get("overlap_comm") == AUTO:
-        # ZeRO-1/2's overlap synchronizes the whole device before each gradient bucket is reduced (DeepSpeed 0.19's
-        # stage_1_and_2.py, allreduce_and_copy): on one rank there is no communication to hide, only those waits.
-        # ZeRO-3 prefetches weights through it, so it stays on there (docs/benchmarks/2026-12-04-h200-fp8-vs-peer.md).
-        zero["overlap_comm"] = world_size > 1 or zero.get("stage") == 3
     _fill_nvme(zero, recipe, path, recipe_path, hidden_size * vocab_size)
 
     if "optimizer" in ds and ds["optimizer"].get("type", "AdamW").lower() != "adamw":
