@@ -3,10 +3,11 @@
     loader = StepLoader(train_data, rows_per_micro=4, grad_accum=2, world=2, rank=0, capacity=2048, packing=True, seed=42)
     for micro in loader.step(7): logits = model(input_ids=micro["input_ids"], position_ids=micro["position_ids"]).logits
 
-This is the one place where ranks meet data. The order of rows depends only on the seed and the epoch,
-never on the world size, so a step holds the same samples on 1 rank x accumulation 2 as on 2 ranks x 1,
-and a resumed run continues exactly where it stopped: the data position is the step number while the rows per
-step stay the same; a run resumed with other rows per step starts at the saved run's row (`start`).
+This is the one place where ranks meet data. The order of rows depends only on the seed and the epoch, and a step's
+micro-batches only on its rows (finetune/data/packing.py micro_batches), never on the world size, so a step holds the
+same micro-batches on 1 rank x accumulation 2 as on 2 ranks x 1, and a resumed run continues exactly where it
+stopped: the data position is the step number while the rows per step stay the same; a run resumed with other rows
+per step starts at the saved run's row (`start`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 import numpy as np
 import torch
 
-from finetune.data.packing import balance, pack_ffd
+from finetune.data.packing import micro_batches, pack_ffd
 from finetune.data.samples import TokenizedData
 from finetune.parallel.split import split_rows
 
@@ -96,11 +97,10 @@ class StepLoader:
         # The last step of an epoch is topped up with empty rows (no targets), so no sample is dropped or seen twice
         # and every rank still runs the same number of forwards (ZeRO-3 gathers need all ranks).
         rows += [None] * (self.rows_per_step - len(rows))
-        tokens = [self._row_tokens(r) for r in rows]
-        mine = [rows[i] for i in balance(tokens, self.world, self.mbs * self.gas)[self.rank]]
-        mine.sort(key=self._row_tokens, reverse=True)
-        return [_slice(collate(mine[k * self.mbs:(k + 1) * self.mbs], self.data, self.pad_id),
-                       self.sequence_parallel, self.pad_id) for k in range(self.gas)]
+        # The step's micro-batches are the same on any world size; this rank runs `gas` of them (micro_batches).
+        mine = micro_batches([self._row_tokens(r) for r in rows], self.mbs, self.world, self.gas)[self.rank]
+        return [_slice(collate([rows[i] for i in micro], self.data, self.pad_id), self.sequence_parallel, self.pad_id)
+                for micro in mine]
 
     def _row_tokens(self, row: list[int] | None) -> int:
         return 0 if row is None else int(sum(self.data.row_lengths[i] for i in row))

@@ -1,4 +1,5 @@
-"""First-fit-decreasing packing of samples into rows of at most `capacity` tokens.
+"""First-fit-decreasing packing of samples into rows of at most `capacity` tokens, and a step's rows into the
+micro-batches of each rank.
 
     rows = pack_ffd([512, 2000, 30, ...], capacity=2048)   # -> [[1, 2], [0, ...], ...] sample indices per row
 
@@ -45,14 +46,30 @@ def pack_ffd(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-def balance(rows_tokens: Sequence[int], ranks: int, per_rank: int) -> list[list[int]]:
-    """Assign row indices to ranks, `per_rank` each, largest first to the rank with the fewest tokens so far."""
-    assert len(rows_tokens) == ranks * per_rank
-    order = sorted(range(len(rows_tokens)), key=lambda i: (-rows_tokens[i], i))
+def balance(costs: Sequence[int], ranks: int, per_rank: int) -> list[list[int]]:
+    """Assign indices to ranks, `per_rank` each, largest cost first to the rank with the least cost so far (ties: the
+    lower index, the lower rank). The ranks' loads end within the largest cost of one another."""
+    assert len(costs) == ranks * per_rank
+    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
     assigned: list[list[int]] = [[] for _ in range(ranks)]
     load = [0] * ranks
     for i in order:
         r = min((r for r in range(ranks) if len(assigned[r]) < per_rank), key=lambda r: (load[r], r))
         assigned[r].append(i)
-        load[r] += rows_tokens[i]
+        load[r] += costs[i]
     return assigned
+
+
+def micro_batches(rows_tokens: Sequence[int], rows_per_micro: int, ranks: int, per_rank: int) -> list[list[list[int]]]:
+    """Each rank's `per_rank` micro-batches (lists of `rows_per_micro` row indices), in the order it runs them.
+
+    The micro-batches depend on the rows only, never on how they are spread over ranks x per_rank: the rows longest
+    first (ties: the lower index) in consecutive groups, so rows of similar length share a micro-batch and padding is
+    least. 1 rank accumulating 2 micro-batches thus sums the gradients of the same two micro-batches as 2 ranks'
+    all-reduce. A micro-batch's cost is its padded size, rows x its longest row: a forward and backward compute over
+    padding too, and the ranks wait for the slowest at the all-reduce. Each rank runs its micro-batches in the order of
+    the groups (longest first)."""
+    order = sorted(range(len(rows_tokens)), key=lambda i: (-rows_tokens[i], i))
+    groups = [order[k:k + rows_per_micro] for k in range(0, len(order), rows_per_micro)]
+    costs = [rows_per_micro * rows_tokens[group[0]] for group in groups]
+    return [[groups[k] for k in sorted(mine)] for mine in balance(costs, ranks, per_rank)]

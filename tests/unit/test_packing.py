@@ -1,5 +1,6 @@
 """Packing and the multipack sampler: packed rows are leak-free on a real (tiny, random) Mistral, every sample is
-seen exactly once per epoch on any world size, ranks get balanced token loads, and bundled data packs >= 95%."""
+seen exactly once per epoch on any world size, a step's micro-batches are the same on any world size, ranks get
+balanced loads, and bundled data packs >= 95%."""
 
 import math
 import os
@@ -12,7 +13,7 @@ import torch
 from finetune.config import DataConfig
 from finetune.data import build_datasets
 from finetune.data.loader import IGNORE, StepLoader, TokenizedData, collate, epoch_rows
-from finetune.data.packing import balance, pack_ffd
+from finetune.data.packing import balance, micro_batches, pack_ffd
 from finetune.data.tokenizer import load_tokenizer
 from finetune.commands.preprocess import main as preprocess
 from finetune.model.loss import token_loss_sum
@@ -123,17 +124,22 @@ def test_every_sample_once_per_epoch_on_every_world_size(world, mbs, gas, packin
         assert sorted(seen) == list(range(len(data))), f"epoch {epoch}: a sample was dropped or duplicated"
 
 
-def test_step_holds_the_same_samples_whatever_the_world_size():
-    """1 rank x accumulation 4 and 4 ranks x 1 (and 2 x 2) train each step on the same samples."""
-    data = fake_data(120, seed=1)
+def test_step_holds_the_same_micro_batches_whatever_the_world_size():
+    """1 rank x accumulation 4 and 4 ranks x 1 (and 2 x 2) train each step on the same micro-batches, the same rows
+    in the same order, the epoch's last (topped-up) step too: so they sum the same micro-batch gradients."""
+    data = fake_data(120, seed=3)
+    loaders = {(world, gas): [StepLoader(data, 2, gas, world, rank, 64, True, seed=5, pad_id=0) for rank in range(world)]
+               for world, gas in ((1, 4), (2, 2), (4, 1))}
+    one = loaders[1, 4][0]
+    assert one.rows_per_epoch % one.rows_per_step  # the last step is topped up with empty rows
+    steps = one.steps_per_epoch
 
-    def step_samples(world, gas, step):
-        return sorted(i for rank in range(world)
-                      for mb in StepLoader(data, 2, gas, world, rank, 64, True, seed=5, pad_id=0).step(step)
-                      for i in sample_ids(mb))
+    def step_micro_batches(world, gas, step):
+        return sorted((mb["sample_ids"].tolist(), mb["input_ids"].tolist()) for loader in loaders[world, gas]
+                      for mb in loader.step(step))
 
-    for step in range(3):
-        assert step_samples(1, 4, step) == step_samples(4, 1, step) == step_samples(2, 2, step)
+    for step in range(steps):
+        assert step_micro_batches(1, 4, step) == step_micro_batches(4, 1, step) == step_micro_batches(2, 2, step)
 
 
 def test_balance_gives_each_rank_its_rows_within_one_row_of_tokens():
@@ -148,14 +154,42 @@ def test_balance_gives_each_rank_its_rows_within_one_row_of_tokens():
         assert max(loads) - min(loads) <= max(rows)
 
 
+def test_micro_batches_are_the_same_on_every_world_size_and_balanced_by_padded_cost():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        mbs = int(rng.integers(1, 5))
+        tokens = rng.integers(1, 40, size=4 * mbs).tolist()  # few distinct lengths: ties
+        empty = int(rng.integers(0, 4 * mbs))
+        tokens[len(tokens) - empty:] = [0] * empty  # a last step's top-up rows
+        seen = []
+        for world, gas in ((1, 4), (2, 2), (4, 1)):
+            spread = micro_batches(tokens, mbs, world, gas)
+            assert len(spread) == world and all(len(mine) == gas for mine in spread)
+            micros = [micro for mine in spread for micro in mine]
+            assert all(len(micro) == mbs for micro in micros)
+            assert sorted(i for micro in micros for i in micro) == list(range(len(tokens)))
+            seen.append(sorted(micros))
+            # Similar lengths share a micro-batch: taken longest first, each one's shortest row is at least the
+            # next one's longest.
+            by_longest = sorted(micros, key=lambda micro: -max(tokens[i] for i in micro))
+            assert all(min(tokens[i] for i in a) >= max(tokens[i] for i in b) for a, b in zip(by_longest, by_longest[1:]))
+            costs = [[mbs * max(tokens[i] for i in micro) for micro in mine] for mine in spread]
+            loads = [sum(c) for c in costs]
+            assert max(loads) - min(loads) <= max(max(c) for c in costs)  # balance's promise
+        assert seen[0] == seen[1] == seen[2]
+
+
 @pytest.mark.parametrize("world,mbs,gas", [(2, 2, 2), (4, 1, 2), (3, 1, 3), (8, 1, 1)])
 def test_ranks_get_balanced_token_loads_on_bundled_chat(tok, tmp_path, world, mbs, gas):
     data, _, _ = build_datasets(DataConfig(path=SAMPLE_CHAT, format="messages", max_seq_len=1024), tok, 0, str(tmp_path))
     loaders = [StepLoader(data, mbs, gas, world, rank, 1024, True, seed=1, pad_id=tok.pad_id) for rank in range(world)]
     full_steps = 0
     for step in range(loaders[0].steps_per_epoch):
-        loads = [sum(int(mb["sample_lengths"].sum()) for mb in loader.step(step)) for loader in loaders]
-        assert max(loads) - min(loads) <= 1024  # never more than one row apart
+        steps = [loader.step(step) for loader in loaders]
+        loads = [sum(int(mb["sample_lengths"].sum()) for mb in mine) for mine in steps]
+        padded = [sum(mb["input_ids"].numel() for mb in mine) for mine in steps]
+        # Ranks get whole micro-batches: their padded sizes, and so their tokens, never more than one apart.
+        assert max(padded) - min(padded) <= mbs * 1024 and max(loads) - min(loads) <= mbs * 1024
         # FFD leaves one part-filled row per epoch and the last step is topped up with empty rows; when a
         # step's rows are full, the ranks' loads are within 2% (5% with one row per rank: nothing to balance).
         if sum(loads) >= 0.95 * 1024 * mbs * gas * world:
