@@ -85,9 +85,10 @@ class LoraConfig:
     """Each adapted projection as one autograd function, base GEMM and adapter together (finetune/perf/fused_lora.py);
     false = peft's own forward. Same maths; it skips a copy of the input per adapter, two passes over each output."""
     dropout_kernel: Literal["auto", "torch", "triton"] = "auto"
-    """With lora.fused and dropout > 0: `triton` draws each mask from a seed in Triton kernels and keeps none (CUDA;
-    finetune/perf/lora_dropout.py: less memory, faster steps); `torch` keeps native_dropout's bool mask per adapter;
-    `auto`: triton on an NVIDIA GPU of compute capability 8.0+ with Triton 3.0+, else torch. Same distribution."""
+    """With fused and dropout > 0: `triton` draws each mask from a seed in Triton kernels, keeping none (less memory,
+    faster; finetune/perf/lora_dropout.py); `torch` keeps a bool mask per adapter; `auto`: triton where it runs."""
+    zero3_layer_gather: bool = True
+    """Under ZeRO-3, gather and release each decoder layer's weights in one go (finetune/perf/layer_gather.py)."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                 "up_proj", "down_proj"])
 
@@ -133,8 +134,8 @@ class OptimConfig:
     implementation: Literal["torch", "deepspeed"] = "torch"
     """On GPU: torch's fused AdamW (no compiler needed) or DeepSpeed's FusedAdam (JIT-built with nvcc)."""
     overflow_check: Literal["norm", "deepspeed"] = "norm"
-    """How ZeRO-1/2 in bf16 finds a non-finite gradient, to skip that step: `norm`, by the global gradient norm
-    alone; `deepspeed`, also by DeepSpeed's test of every tensor before it (same result, a host sync more)."""
+    """How bf16 ZeRO-1/2 finds a non-finite gradient, to skip the step: `norm`, by the global gradient norm alone;
+    `deepspeed`, also by DeepSpeed's test of every tensor first (same result, a host sync more)."""
 
 
 @dataclass
@@ -193,8 +194,7 @@ class TrainConfig:
     """SimPO's target reward margin γ."""
     reference: Literal["auto", "adapters_off", "precomputed"] = "auto"
     """dpo/ipo's reference: `adapters_off` = the LoRA model with its adapters disabled; `precomputed` = the starting
-    model's log-probabilities, computed before the first step, kept in the run folder; `auto`: adapters_off with LoRA,
-    else precomputed."""
+    model's log-probs, computed before step 1, kept in the run folder; `auto`: adapters_off with LoRA, else precomputed."""
     share_prompt: Literal["auto", "on", "off"] = "auto"
     """A pair's prompt once in a row, its rejected response seeing the chosen one's copy: fewer tokens, the same
     log-probs. It needs zerotune's attention (model.attn_implementation flex); `auto`: wherever that runs."""

@@ -31,7 +31,7 @@ from finetune.export.weights import export_engine
 from finetune.memory.budget import enforce
 from finetune.model.build import build_model, trainable_parameters
 from finetune.model.generate import answer
-from finetune.model.optim import build_optimizer
+from finetune.model.optim import build_optimizer, install_exact_grad_norm
 from finetune.model.preference import build_preference_loss
 from finetune.parallel import groups as sp_groups, ulysses
 from finetune.prepare import Run, parse_args, prepare
@@ -216,6 +216,7 @@ def _build_engine(run: Run, model) -> tuple[Any, Any, Any]:
         checkpoint.prepare_reshard(run.resume_from)
         engine_cfg["checkpoint"] = {"load_universal": True}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=engine_cfg)
+    install_exact_grad_norm(engine)  # ZeRO-1/2: a clipping norm that does not depend on the number of ranks
     return engine, optimizer, scheduler
 
 

@@ -21,6 +21,8 @@ apply's order, and why:
   6. fused_loss   the output layer; independent of the others.
   7. flex_attention  the attention function the model's config names (attention.py); independent of the others
                   (liger's attention forward looks the function up by that name too).
+  8. layer_gather LoRA under ZeRO-3: the decoder layers as DeepSpeed's leaf modules; independent of the others,
+                  whose changes all lie inside the layers.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from finetune.perf import attention, liger, lora_dropout, precision, tiled_mlp
 from finetune.perf.fused_lora import install_fused_lora
 from finetune.perf.fused_loss import install_fused_loss
 from finetune.perf.fused_mlp import install_fused_mlp
+from finetune.perf.layer_gather import install_layer_gather
 from finetune.perf.overflow_check import install_overflow_check
 
 
@@ -49,6 +52,8 @@ class SpeedUp:
     """Applied to the DeepSpeed engine (apply_engine) rather than to the model (apply)."""
     data: bool = False
     """Applied to the data's layout by the run (finetune/train.py), neither to the model nor to the engine."""
+    zero3: bool = False
+    """A model speed-up that applies under ZeRO-3 only."""
 
 
 SPEEDUPS = (
@@ -67,6 +72,9 @@ SPEEDUPS = (
             "output layer and loss a chunk of rows at a time, logits never whole"),
     SpeedUp("flex_attention", "model.attn_implementation", "sdpa",
             "FlexAttention over a block mask of the packed samples and the sliding window, no S x S mask (CUDA)"),
+    SpeedUp("layer_gather", "lora.zero3_layer_gather", False,
+            "LoRA under ZeRO-3: each decoder layer's weights gathered and released in one go, not module by module",
+            zero3=True),
     SpeedUp("shared_prompt", "train.share_prompt", "off",
             "a preference pair's prompt once per row, the rejected response attending to the chosen one's copy",
             data=True),
@@ -105,6 +113,8 @@ def apply(model, recipe: Recipe, ds_config: dict[str, Any]) -> list[str]:
     if attention.resolve(m.attn_implementation, _device_type()) == "flex":
         attention.install(model)
         applied.append("flex_attention")
+    if lora.enabled and stage == 3 and lora.zero3_layer_gather and install_layer_gather(model):
+        applied.append("layer_gather")
     return applied
 
 

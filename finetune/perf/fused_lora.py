@@ -154,10 +154,11 @@ def install_fused_lora(model: torch.nn.Module, zero_stage: int, dropout_kernel: 
     if zero_stage == 3:
         # ZeRO-3 gathers a module's parameters in its own forward hooks; the fused forward never calls the base
         # layer's or the adapters' forward, so their parameters are registered to the adapted layer, whose hooks then
-        # gather and release them, in forward and backward. (Not DeepSpeed's leaf modules: those reduce their
-        # gradients in a full backward hook, which fires before this function's backward where the input needs no
-        # gradient, e.g. layer 0's q/k/v under LoRA: a GPU run with them crashed at the first backward, and
-        # tests/integration/test_fused_lora.py's ZeRO-3 test fails with them.)
+        # gather and release them, in forward and backward, unless the decoder layer holding them is a leaf module
+        # (finetune/perf/layer_gather.py), whose hooks gather everything beneath it. (The projections themselves
+        # cannot be leaves: a leaf reduces its gradients in a full backward hook, which fires before this function's
+        # backward where the input needs no gradient, e.g. layer 0's q/k/v under LoRA: a GPU run with them crashed
+        # at the first backward.)
         from deepspeed.runtime.zero.partition_parameters import register_external_parameter
     layers = [m for m in model.modules() if type(m) is Linear]
     for layer in layers:

@@ -33,7 +33,7 @@ from finetune.perf.tiled_mlp import tiled_forward
 from tests.helpers import ROOT, TINY_RECIPE
 
 STAGE2_FP32 = {"bf16": {"enabled": False}, "zero_optimization": {"stage": 2}}
-MODEL_NAMES = [s.name for s in perf.SPEEDUPS if not s.engine and not s.data]
+MODEL_NAMES = [s.name for s in perf.SPEEDUPS if not s.engine and not s.data and not s.zero3]
 ALL_ON = ["model.kernels=liger", "lora.enabled=true", "lora.fused=true", "lora.dropout=0.1",
           "lora.dropout_kernel=triton", "model.precision=fp8", "model.fused_mlp=true", "model.fused_loss=true", "model.attn_implementation=flex"]
 ALL_ON.append("model.tiled_mlp='on'")  # quoted: YAML reads a bare on/off as a boolean
@@ -227,7 +227,8 @@ def test_report_lists_every_speed_up_with_its_switch(model_dir):
     assert all(set(r) == {"name", "switch", "on"} for r in records)
     assert {r["switch"] for r in records} == {"model.kernels", "model.precision", "lora.fused", "lora.dropout_kernel", "model.fused_mlp",
                                               "model.tiled_mlp", "model.fused_loss", "model.attn_implementation",
-                                              "train.share_prompt", "optim.overflow_check"}
+                                              "train.share_prompt", "optim.overflow_check",
+                                              "lora.zero3_layer_gather"}
     assert [r["name"] for r in records if r["on"]] == ["fused_mlp", "overflow_check"]
     assert not any(r["on"] for r in perf.report(recipe, []))
     with pytest.raises(ValueError, match="unknown speed-up"):
