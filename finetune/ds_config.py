@@ -42,10 +42,11 @@ def load_ds_json(path: str) -> dict[str, Any]:
 
 def resolve_ds_config(
     path: str, recipe: Recipe, world_size: int, hidden_size: int, recipe_path: str = "the recipe",
-    vocab_size: int = 32000,
+    vocab_size: int = 32000, layer_parameters: int = 0,
 ) -> dict[str, Any]:
     """The DeepSpeed config to hand to the engine, with every "auto" filled from the recipe (and, for NVMe offload's
-    buffers, the model's width and vocabulary)."""
+    buffers, the model's width and vocabulary; for ZeRO-3's prefetch under lora.zero3_layer_gather, one decoder
+    layer's weight count, finetune/memory/shapes.py layer_parameters)."""
     raw = load_ds_json(path)
     ds = copy.deepcopy(raw)
     t, o = recipe.train, recipe.optim
@@ -67,7 +68,7 @@ def resolve_ds_config(
     engine_auto = {
         # HF's integration uses the same sizes: they scale with the model's width.
         "reduce_bucket_size": hidden_size * hidden_size,
-        "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+        "stage3_prefetch_bucket_size": max(int(0.9 * hidden_size * hidden_size), _whole_layer(recipe, layer_parameters)),
         "stage3_param_persistence_threshold": 10 * hidden_size,
         # ZeRO-1/2's overlap synchronizes the whole device before each gradient bucket is reduced (DeepSpeed 0.19's
         # stage_1_and_2.py, allreduce_and_copy): on one rank there is no communication to hide, only those waits.
@@ -105,6 +106,15 @@ def resolve_ds_config(
     ds.setdefault("steps_per_print", 10**9)  # our own progress line replaces DeepSpeed's
     ds.setdefault("wall_clock_breakdown", False)
     return ds
+
+
+def _whole_layer(recipe: Recipe, layer_parameters: int) -> int:
+    """ZeRO-3's prefetch under LoRA's whole-layer gathers (finetune/perf/layer_gather.py): the next layer's weights
+    all, so that its gather overlaps this layer's work. DeepSpeed prefetches weights in the recorded order until the
+    bucket is full; at the width-based size (0.9 h^2, a projection or two) the rest of a layer whose weights are
+    gathered as one would wait for its gather. Two layers' weights gathered at once is what the memory estimate
+    counts for ZeRO-3 (finetune/memory/estimate.py estimate_buffers). 0 where layers are not gathered whole."""
+    return layer_parameters if recipe.lora.enabled and recipe.lora.zero3_layer_gather else 0
 
 
 def _fill_nvme(zero: dict[str, Any], recipe: Recipe, path: str, recipe_path: str, largest_param: int) -> None:

@@ -31,13 +31,16 @@ def linear_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h), "lm_head": (h, vocab)}
 
 
+def layer_parameters(cfg: dict[str, Any]) -> int:
+    """One decoder layer's weights: its seven projections and two RMSNorm weights."""
+    return sum(a * b for name, (a, b) in linear_shapes(cfg).items() if name != "lm_head") + 2 * dims(cfg)[0]
+
+
 def count_parameters(cfg: dict[str, Any]) -> int:
     """Exact parameter count: embeddings, GQA attention, SwiGLU MLP, RMSNorms, lm_head (unless tied)."""
     h, _, _, _, layers, vocab = dims(cfg)
-    shapes = linear_shapes(cfg)
-    per_layer = sum(a * b for name, (a, b) in shapes.items() if name != "lm_head") + 2 * h  # + two RMSNorm weights
     head = 0 if cfg.get("tie_word_embeddings", False) else h * vocab
-    return vocab * h + layers * per_layer + h + head
+    return vocab * h + layers * layer_parameters(cfg) + h + head
 
 
 def lora_settings(lora_cfg: Any) -> dict[str, Any] | None:

@@ -219,3 +219,19 @@ def test_a_bare_on_or_off_is_the_word_not_a_boolean():
     assert load_recipe("tiny", ["model.tiled_mlp=off"]).model.tiled_mlp == "off"
     with pytest.raises(ConfigError, match="model.fused_loss must be bool"):
         load_recipe("tiny", ["model.fused_loss=auto"])
+
+
+@pytest.mark.parametrize("overrides, whole", [(["lora.enabled=true"], True),
+                                              (["lora.enabled=true", "lora.zero3_layer_gather=false"], False),
+                                              (["lora.enabled=false"], False)])
+def test_zero3_prefetches_a_whole_layer_where_lora_gathers_layers_whole(overrides, whole):
+    """lora.zero3_layer_gather gathers a decoder layer as one: the prefetch bucket then holds the next layer whole;
+    elsewhere it keeps the width-based size."""
+    from finetune.memory.shapes import layer_parameters
+    from tests.fixtures.model_shapes import MISTRAL
+
+    layer = layer_parameters(MISTRAL)
+    assert layer == 218_112_000  # 4 attention projections (GQA: k and v 1,024 wide) + 3 MLP ones + 2 norms
+    recipe = load_recipe(TINY_RECIPE, overrides)
+    resolved = resolve_ds_config(os.path.join(ROOT, "ds_configs", "zero3.json"), recipe, 8, 4096, layer_parameters=layer)
+    assert resolved["zero_optimization"]["stage3_prefetch_bucket_size"] == (layer if whole else int(0.9 * 4096 * 4096))
