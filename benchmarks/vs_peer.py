@@ -173,8 +173,10 @@ def table(results: list[dict], seq: int = 2048, targets: dict[str, int] | None =
     return "\n".join(lines)
 
 
-def plot(results: list[dict], path: str) -> None:
-    """Grouped bars: tok/s/GPU of zerotune, the peer's defaults and best per configuration, the targets as ticks."""
+def plot(results: list[dict], path: str, targets: dict[str, int] | None = None, gpus: int = 2, seq: int = 2048) -> None:
+    """Grouped bars: tok/s/GPU of zerotune, the peer's defaults and best per configuration, the targets (TARGETS',
+    replaced by `targets` where given, as in table()) as ticks."""
+    targets = {**TARGETS, **(targets or {})}
     import matplotlib
 
     matplotlib.use("Agg")
@@ -187,15 +189,16 @@ def plot(results: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.27
     for i, (system, label, color) in enumerate(systems):
+        # peer_best with the defaults' settings was measured once, as peer_default; a config not run draws no bar
         values = [by.get((system, c)) or (by.get(("peer_default", c)) if system == "peer_best" and
-                  PEER["peer_best"][c] == PEER["peer_default"][c] else 0) for c in CONFIGS]
+                  PEER["peer_best"][c] == PEER["peer_default"][c] else 0) or 0 for c in CONFIGS]
         bars = ax.bar([x + (i - 1) * width for x in range(len(CONFIGS))], values, width, label=label, color=color)
         ax.bar_label(bars, labels=[f"{v / 1000:.1f}K" if v else "" for v in values], fontsize=7)
-    ax.scatter(range(len(CONFIGS)), [TARGETS[c] for c in CONFIGS], marker="_", s=600, color="red", label="target")
+    ax.scatter(range(len(CONFIGS)), [targets[c] for c in CONFIGS], marker="_", s=600, color="red", label="target")
     ax.set_xticks(range(len(CONFIGS)), [c.replace("_", ", ZeRO-")[:-5] + c[-1] for c in CONFIGS])
     ax.set_ylabel("tokens/s per GPU")
-    ax.set_title("Mistral-7B shape, seq 2048, 2xH200: zerotune vs HF Trainer + DeepSpeed")
-    ax.set_ylim(0, 1.3 * max(TARGETS.values()))
+    ax.set_title(f"Mistral-7B shape, seq {seq}, {gpus} GPU(s): zerotune vs HF Trainer + DeepSpeed")
+    ax.set_ylim(0, 1.3 * max([*targets.values(), *by.values()]))
     ax.legend(fontsize=7, loc="upper left", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -238,13 +241,15 @@ def main(argv: list[str] | None = None) -> int:
     if set(targets) - set(CONFIGS):
         p.error(f"--target: unknown config {sorted(set(targets) - set(CONFIGS))}; one of {', '.join(CONFIGS)}")
     if a.table:
-        merged = {}
+        merged, shape = {}, {}
         for path in a.table:
-            for r in json.load(open(path))["runs"]:
+            data = json.load(open(path))
+            shape = {k: data[k] for k in ("gpus", "seq") if k in data}
+            for r in data["runs"]:
                 merged[(r["system"], r["config"])] = r
-        print(table(list(merged.values()), targets=targets))
+        print(table(list(merged.values()), shape.get("seq", 2048), targets))
         if a.plot:
-            plot(list(merged.values()), a.plot)
+            plot(list(merged.values()), a.plot, targets, **shape)
         return 0
     os.makedirs(a.out, exist_ok=True)
     out_json = os.path.join(a.out, "vs_peer.json")

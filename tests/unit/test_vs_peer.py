@@ -153,3 +153,22 @@ def test_targets_given_on_the_command_line_replace_the_defaults_in_the_table(tmp
     assert vs_peer.table([run]).splitlines()[-1].endswith(f"| {vs_peer.TARGETS['lora_zero2']:,} |")
     with pytest.raises(SystemExit):
         vs_peer.main(["--table", str(tmp_path / "vs_peer.json"), "--target", "lora_zero4=1"])
+
+
+def test_the_plot_draws_the_given_targets_and_the_runs_gpu_count(tmp_path, monkeypatch):
+    """The bars' red ticks are the table's targets (--target replaces TARGETS' there too); the title names the
+    GPU count the runs had."""
+    axes = pytest.importorskip("matplotlib.axes")
+    drawn = {}
+    scatter, set_title = axes.Axes.scatter, axes.Axes.set_title
+    monkeypatch.setattr(axes.Axes, "scatter", lambda ax, x, y, *a, **k: drawn.update(ticks=list(y)) or scatter(ax, x, y, *a, **k))
+    monkeypatch.setattr(axes.Axes, "set_title", lambda ax, text, *a, **k: drawn.update(title=text) or set_title(ax, text, *a, **k))
+    run = {"system": "zerotune", "config": "lora_zero2", "exit": 0, "tokens_per_s_per_gpu": 21000.0,
+           "peak_mem_gib": 70.0, "settings": "ckpt none"}
+    (tmp_path / "vs_peer.json").write_text(json.dumps({"runs": [run], "gpus": 1, "seq": 2048}))
+    png = tmp_path / "bars.png"
+    assert vs_peer.main(["--table", str(tmp_path / "vs_peer.json"), "--plot", str(png), "--target",
+                         "lora_zero2=22000"]) == 0
+    assert png.stat().st_size > 0
+    assert drawn["ticks"] == [22000 if c == "lora_zero2" else vs_peer.TARGETS[c] for c in vs_peer.CONFIGS]
+    assert "1 GPU(s)" in drawn["title"]
