@@ -18,6 +18,7 @@ from typing import Any
 
 from finetune import shipped
 from finetune.config import ConfigError, Recipe
+from finetune.memory import shapes
 
 AUTO = "auto"
 
@@ -68,7 +69,8 @@ def resolve_ds_config(
     engine_auto = {
         # HF's integration uses the same sizes: they scale with the model's width.
         "reduce_bucket_size": hidden_size * hidden_size,
-        "stage3_prefetch_bucket_size": max(int(0.9 * hidden_size * hidden_size), _whole_layer(recipe, layer_parameters)),
+        "stage3_prefetch_bucket_size": max(int(0.9 * hidden_size * hidden_size),
+                                           _whole_layer(recipe, zero.get("stage", 0), layer_parameters)),
         "stage3_param_persistence_threshold": 10 * hidden_size,
         # ZeRO-1/2's overlap synchronizes the whole device before each gradient bucket is reduced (DeepSpeed 0.19's
         # stage_1_and_2.py, allreduce_and_copy): on one rank there is no communication to hide, only those waits.
@@ -108,13 +110,27 @@ def resolve_ds_config(
     return ds
 
 
-def _whole_layer(recipe: Recipe, layer_parameters: int) -> int:
-    """ZeRO-3's prefetch under LoRA's whole-layer gathers (finetune/perf/layer_gather.py): the next layer's weights
-    all, so that its gather overlaps this layer's work. DeepSpeed prefetches weights in the recorded order until the
-    bucket is full; at the width-based size (0.9 h^2, a projection or two) the rest of a layer whose weights are
-    gathered as one would wait for its gather. Two layers' weights gathered at once is what the memory estimate
-    counts for ZeRO-3 (finetune/memory/estimate.py estimate_buffers). 0 where layers are not gathered whole."""
-    return layer_parameters if recipe.lora.enabled and recipe.lora.zero3_layer_gather else 0
+def resolve_for_model(path: str, recipe: Recipe, world_size: int, model_config: dict[str, Any],
+                      recipe_path: str = "the recipe") -> dict[str, Any]:
+    """resolve_ds_config with the model's sizes read from its config.json (model_config): what a run, the planner
+    and `zerotune estimate` resolve."""
+    return resolve_ds_config(path, recipe, world_size, model_config["hidden_size"], recipe_path,
+                             vocab_size=model_config["vocab_size"], layer_parameters=shapes.layer_parameters(model_config))
+
+
+def gathers_whole_layers(recipe: Recipe, stage: int) -> bool:
+    """Whether ZeRO-3 gathers each decoder layer's weights as one (lora.zero3_layer_gather, LoRA under ZeRO-3;
+    finetune/perf/layer_gather.py): perf.apply installs it, and the prefetch bucket is sized for it here."""
+    return stage == 3 and recipe.lora.enabled and recipe.lora.zero3_layer_gather
+
+
+def _whole_layer(recipe: Recipe, stage: int, layer_parameters: int) -> int:
+    """ZeRO-3's prefetch under whole-layer gathers: the next layer's weights all, so that its gather overlaps this
+    layer's work. DeepSpeed prefetches weights in the recorded order until the bucket is full; at the width-based
+    size (0.9 h^2, a projection or two) the rest of a layer whose weights are gathered as one would wait for its
+    gather. Two layers' weights gathered at once is what the memory estimate counts for ZeRO-3
+    (finetune/memory/estimate.py estimate_buffers). 0 where layers are not gathered whole."""
+    return layer_parameters if gathers_whole_layers(recipe, stage) else 0
 
 
 def _fill_nvme(zero: dict[str, Any], recipe: Recipe, path: str, recipe_path: str, largest_param: int) -> None:

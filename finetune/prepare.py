@@ -21,10 +21,9 @@ from finetune.config import ConfigError, Recipe, load_recipe, recipe_to_dict, se
 from finetune.data.registry import get_format, load_plugins
 from finetune.data.sources import READABLE
 from finetune.data.tokenizer import load_tokenizer
-from finetune.ds_config import emulated_bf16_note, resolve_ds_config
+from finetune.ds_config import emulated_bf16_note, resolve_for_model
 from finetune.memory import budget
 from finetune.memory.host import check_host_fits
-from finetune.memory.shapes import layer_parameters
 from finetune.model.build import check_model_dir
 from finetune.perf import liger as kernels, lora_dropout
 from finetune.run import folder_lock
@@ -98,9 +97,7 @@ def prepare(config: str | None, deepspeed_json: str, overrides: list[str]) -> Ru
     degree = parallel.resolve_degree(recipe, dist.world_size(), planned=getattr(plan, "sequence_parallel", None),
                                      model_config=model_config)
     recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, sequence_parallel=degree))
-    ds = resolve_ds_config(deepspeed_json, recipe, dist.world_size(), model_config["hidden_size"],
-                           recipe_path=recipe_path, vocab_size=model_config["vocab_size"],
-                           layer_parameters=layer_parameters(model_config))
+    ds = resolve_for_model(deepspeed_json, recipe, dist.world_size(), model_config, recipe_path)
     budget.check_offload_fits_host(recipe, model_config, ds, dist.world_size())
     # Before any rank loads a model this host cannot hold, and before the run folder is made or locked: a failed start
     # leaves the folder as it found it.

@@ -21,10 +21,9 @@ from typing import Any
 
 from finetune import dist, shipped
 from finetune.config import ConfigError, load_recipe
-from finetune.ds_config import ds_json_path, resolve_ds_config
+from finetune.ds_config import ds_json_path, resolve_for_model
 from finetune.memory.budget import plan_memory, with_memory_choice
 from finetune.memory.node import host_memory
-from finetune.memory.shapes import layer_parameters
 from finetune.memory.estimate import (FIT_FRACTION, GIB, SHIPPED, SPEED_ORDER, attention_kind, display_path,
                                       estimate_run, shipped_dir)
 from finetune.run import console, folder as run_folder
@@ -108,8 +107,7 @@ def length_row(model_config: dict[str, Any], recipe, deepspeed: str, gpus: int, 
     """The --deepspeed file's terms at rows of seq_len tokens with the recipe's settings, and the plan there."""
     world = gpus * nodes
     at = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, max_seq_len=seq_len))
-    ds = resolve_ds_config(deepspeed, at, world, model_config["hidden_size"], recipe_path=recipe_path,
-                           vocab_size=model_config["vocab_size"], layer_parameters=layer_parameters(model_config))
+    ds = resolve_for_model(deepspeed, at, world, model_config, recipe_path)
     row = estimate_run(model_config, at, ds, world, cuda=True)
     out = {k: row[k] for k in ("seq_len", "params", "grads", "optimizer", "activations", "transient", "buffers",
                                "step", "total", "cpu_activations", "attention", "tiled_mlp", "sequence_parallel",
@@ -128,10 +126,8 @@ def length_row(model_config: dict[str, Any], recipe, deepspeed: str, gpus: int, 
     # the plan's own terms, to compare term by term with a run of that plan
     chosen = with_memory_choice(at, plan.activation_checkpointing, plan.micro_batch_size, plan.grad_accum,
                                 plan.recompute, plan.tiled_mlp == "on", plan.sequence_parallel, plan.offload_layers)
-    out["plan"]["terms"] = estimate_run(model_config, chosen, resolve_ds_config(
-        plan.deepspeed, chosen, world, model_config["hidden_size"], recipe_path=recipe_path,
-        vocab_size=model_config["vocab_size"], layer_parameters=layer_parameters(model_config)), world,
-        cuda=True)["terms"]
+    out["plan"]["terms"] = estimate_run(model_config, chosen, resolve_for_model(
+        plan.deepspeed, chosen, world, model_config, recipe_path), world, cuda=True)["terms"]
     out["plan_text"] = (f"{os.path.basename(plan.deepspeed).removesuffix('.json')}, SP {plan.sequence_parallel}, "
                         f"{plan.checkpointing_text()}, tiled MLP {plan.tiled_mlp}, mb {plan.micro_batch_size}: "
                         f"{plan.estimated_gib:.1f}")
@@ -218,10 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                   "train.gpu_memory_gib)", file=sys.stderr)
         model_config, model = model_shape(recipe.model)
         deepspeed = ds_json_path(args.deepspeed)
-        configs = {path: resolve_ds_config(path, recipe, gpus * args.nodes, model_config["hidden_size"],
-                                           recipe_path=args.config or "recipes/mistral7b_lora.yaml",
-                                           vocab_size=model_config["vocab_size"],
-                                           layer_parameters=layer_parameters(model_config))
+        configs = {path: resolve_for_model(path, recipe, gpus * args.nodes, model_config,
+                                           args.config or "recipes/mistral7b_lora.yaml")
                    for path in config_files(deepspeed)}
         rows = estimate_table(model_config, recipe, configs, gpus, args.nodes, gpu_memory, cpu_memory)
         lengths = seq_lens(args.seq_lens, recipe.data.max_seq_len)

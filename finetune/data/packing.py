@@ -19,7 +19,7 @@ def pack_ffd(lengths: Sequence[int], capacity: int) -> list[list[int]]:
         return []
     if max(lengths) > capacity:
         raise ValueError(f"a sample of {max(lengths)} tokens does not fit a row of {capacity}")
-    order = sorted(range(n), key=lambda i: (-lengths[i], i))
+    order = _largest_first(lengths)
     size = 1
     while size < n:
         size *= 2
@@ -50,7 +50,7 @@ def balance(costs: Sequence[int], ranks: int, per_rank: int) -> list[list[int]]:
     """Assign indices to ranks, `per_rank` each, largest cost first to the rank with the least cost so far (ties: the
     lower index, the lower rank). The ranks' loads end within the largest cost of one another."""
     assert len(costs) == ranks * per_rank
-    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    order = _largest_first(costs)
     assigned: list[list[int]] = [[] for _ in range(ranks)]
     load = [0] * ranks
     for i in order:
@@ -69,7 +69,12 @@ def micro_batches(rows_tokens: Sequence[int], rows_per_micro: int, ranks: int, p
     all-reduce. A micro-batch's cost is its padded size, rows x its longest row: a forward and backward compute over
     padding too, and the ranks wait for the slowest at the all-reduce. Each rank runs its micro-batches in the order of
     the groups (longest first)."""
-    order = sorted(range(len(rows_tokens)), key=lambda i: (-rows_tokens[i], i))
+    order = _largest_first(rows_tokens)
     groups = [order[k:k + rows_per_micro] for k in range(0, len(order), rows_per_micro)]
     costs = [rows_per_micro * rows_tokens[group[0]] for group in groups]
     return [[groups[k] for k in sorted(mine)] for mine in balance(costs, ranks, per_rank)]
+
+
+def _largest_first(values: Sequence[int]) -> list[int]:
+    """Indices of `values`, largest first; ties in index order, so every rank computes the same order."""
+    return sorted(range(len(values)), key=lambda i: (-values[i], i))

@@ -36,14 +36,13 @@ from typing import Any
 
 from finetune import dist
 from finetune.config import ConfigError, Recipe
-from finetune.ds_config import load_ds_json, offloads_optimizer, resolve_ds_config, zero_stage
+from finetune.ds_config import load_ds_json, offloads_optimizer, resolve_for_model, zero_stage
 from finetune.memory.activations import kept_inputs
 from finetune.memory.estimate import (FIT_FRACTION, GIB, SHIPPED, SPEED_ORDER, display_path, estimate_run,
                                       recomputed_layers, shipped_dir, tiled_mlp_on)
 from finetune.memory.node import host_memory, local_gpu_gib, ranks_per_node
 from finetune.memory.long_rows import (fewest_offloaded, least_recomputation, offload_options, sequence_parallel_degrees,
                                        tiling_options, two_level_segment)
-from finetune.memory.shapes import layer_parameters
 
 
 @dataclass
@@ -245,8 +244,7 @@ def plan_memory(recipe: Recipe, model_config: dict[str, Any], deepspeed: str, wo
 
 def _estimate(model_config: dict[str, Any], trial: Recipe, path: str, world: int, recipe_path: str,
               cuda: bool | None) -> dict[str, Any]:
-    ds = resolve_ds_config(path, trial, world, model_config["hidden_size"], recipe_path,
-                           vocab_size=model_config["vocab_size"], layer_parameters=layer_parameters(model_config))
+    ds = resolve_for_model(path, trial, world, model_config, recipe_path)
     return estimate_run(model_config, trial, ds, world, cuda)
 
 

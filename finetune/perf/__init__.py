@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from finetune.config import ConfigError, Recipe
-from finetune.ds_config import bf16_enabled, zero_stage
+from finetune.ds_config import bf16_enabled, gathers_whole_layers, zero_stage
 from finetune.perf import attention, liger, lora_dropout, precision, tiled_mlp
 from finetune.perf.fused_lora import install_fused_lora
 from finetune.perf.fused_loss import install_fused_loss
@@ -113,7 +113,7 @@ def apply(model, recipe: Recipe, ds_config: dict[str, Any]) -> list[str]:
     if attention.resolve(m.attn_implementation, _device_type()) == "flex":
         attention.install(model)
         applied.append("flex_attention")
-    if lora.enabled and stage == 3 and lora.zero3_layer_gather and install_layer_gather(model):
+    if gathers_whole_layers(recipe, stage) and install_layer_gather(model):
         applied.append("layer_gather")
     return applied
 
