@@ -151,3 +151,14 @@ def test_only_fp8_bases_of_all_three_are_joined():
     install_fused_lora(partial, zero_stage=0)
     assert joint_qkv.install_joint_qkv(partial) == 0  # k_proj is not adapted
     assert len(TARGETS) == 7
+
+
+def test_k_and_v_do_not_keep_the_joint_output_alive():
+    """Attention keeps v (and k) for its backward: they are tensors of their own, so the [tokens, q + k + v] output
+    lives only as long as q, which RoPE does not keep."""
+    attn = _attentions(_fp8_model(keep=True))[0]
+    x = torch.randn(2, 5, 64, requires_grad=True)
+    q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    assert q.untyped_storage().nbytes() == 2 * 5 * 128 * 4  # q is the joint output's first columns
+    assert k.is_contiguous() and v.is_contiguous()
+    assert k.untyped_storage().nbytes() == v.untyped_storage().nbytes() == 2 * 5 * 32 * 4
