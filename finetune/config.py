@@ -66,7 +66,8 @@ class ModelConfig:
     """Each MLP's SwiGLU product and down projection as one function that rebuilds the product in backward instead of
     keeping it (finetune/perf/fused_mlp.py): the same gradients, one [tokens, intermediate] tensor less per layer."""
     kernels: Literal["auto", "liger", "none"] = "auto"
-    """Fused Triton kernels for RMSNorm, SwiGLU and RoPE: `liger` (liger-kernel, CUDA), `auto` = liger when it is installed and the run is on CUDA, `none` = transformers' own modules."""
+    """Fused Triton kernels for RMSNorm, SwiGLU and RoPE: `liger` (liger-kernel, CUDA), `auto` = liger when it is
+    installed and the run is on CUDA, `none` = transformers' own modules."""
     precision: Literal["auto", "bf16", "fp8"] = "auto"
     """The linear layers' GEMMs: `fp8` = LoRA's frozen base in float8 (half its memory under ZeRO-0/1/2), or every
     decoder projection's forward and input gradient in float8 for full fine-tuning (finetune/perf/precision.py);
@@ -81,14 +82,13 @@ class LoraConfig:
     alpha: int = 32
     dropout: float = 0.05
     fused: bool = True
-    """Each adapted projection as one autograd function, base GEMM and adapter together (finetune/perf/fused_lora.py); false = peft's own forward. Same maths; it skips a copy of the input per adapter, two passes over each output."""
+    """Each adapted projection as one autograd function, base GEMM and adapter together (finetune/perf/fused_lora.py);
+    false = peft's own forward. Same maths; it skips a copy of the input per adapter, two passes over each output."""
     dropout_kernel: Literal["auto", "torch", "triton"] = "auto"
     """With fused and dropout > 0: `triton` draws each mask from a seed in Triton kernels, keeping none (less memory,
     faster; finetune/perf/lora_dropout.py); `torch` keeps a bool mask per adapter; `auto`: triton where it runs."""
     zero3_layer_gather: bool = True
     """Under ZeRO-3, gather and release each decoder layer's weights in one go (finetune/perf/layer_gather.py)."""
-    joint_qkv: bool = True
-    """With model.precision fp8 and fused: q, k and v's FP8 base GEMMs as one, forward and backward (finetune/perf/joint_qkv.py)."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                 "up_proj", "down_proj"])
 

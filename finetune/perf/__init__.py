@@ -14,8 +14,6 @@ apply's order, and why:
                   the fused class then runs; for full fine-tuning every decoder projection an Fp8Linear, whose
                   down projection fused_mlp then runs in FP8 itself;
   3. fused_lora   peft's LoRA layers swapped for the fused class (with lora_dropout_kernel: its Triton dropout);
-                  then joint_qkv, over the fused class's FP8 q/k/v: one stacked FP8 weight (ZeRO-3: only with
-                  layer_gather, which has all three gathered when q_proj runs);
   4. fused_mlp    after LoRA, which decides whether down_proj is still a plain linear layer (an adapted one keeps its
                   path); it replaces the MLP forward liger set, and uses liger's SwiGLU product when liger is on;
   5. tiled_mlp    after the four above: it wraps whatever forward each MLP has by then (liger's, the fused one, with
@@ -38,7 +36,6 @@ from finetune.perf import attention, liger, lora_dropout, precision, tiled_mlp
 from finetune.perf.fused_lora import install_fused_lora
 from finetune.perf.fused_loss import install_fused_loss
 from finetune.perf.fused_mlp import install_fused_mlp
-from finetune.perf.joint_qkv import install_joint_qkv
 from finetune.perf.layer_gather import install_layer_gather
 from finetune.perf.overflow_check import install_overflow_check
 
@@ -67,8 +64,6 @@ SPEEDUPS = (
             "each LoRA projection as one autograd function, base GEMM and adapter together"),
     SpeedUp("lora_dropout_kernel", "lora.dropout_kernel", "torch",
             "fused LoRA's dropout masks drawn from a seed inside Triton kernels, none kept (CUDA)"),
-    SpeedUp("joint_qkv", "lora.joint_qkv", False,
-            "LoRA under FP8: q, k and v's base GEMMs as one, in forward and in backward"),
     SpeedUp("fused_mlp", "model.fused_mlp", False,
             "SwiGLU product and down projection in one function that keeps no product"),
     SpeedUp("tiled_mlp", "model.tiled_mlp", "off",
@@ -106,10 +101,6 @@ def apply(model, recipe: Recipe, ds_config: dict[str, Any]) -> list[str]:
         applied.append("fused_lora")
         if lora.dropout > 0 and lora_dropout.uses_kernels(lora.dropout_kernel):
             applied.append("lora_dropout_kernel")
-        # under ZeRO-3 q_proj reads k's and v's weights, gathered only where the whole layer is
-        joins = "fp8" in applied and (stage < 3 or gathers_whole_layers(recipe, stage))
-        if lora.joint_qkv and joins and install_joint_qkv(model):
-            applied.append("joint_qkv")
     if m.fused_mlp and install_fused_mlp(model, stage, liger="liger" in applied):
         applied.append("fused_mlp")
     micro_batch_tokens = recipe.train.micro_batch_size * recipe.data.max_seq_len

@@ -28,47 +28,6 @@ from finetune.perf import fp8, lora_dropout
 from finetune.perf.precision import Fp8FrozenLinear
 
 
-def adapter_forward(x2: torch.Tensor, lora_a: torch.Tensor, dropout: float, seeded: bool):
-    """The adapter's rank-r product drop(x)·Aᵀ for a [tokens, in] x2, with what its backward needs: (low_rank, mask,
-    seed), the bool mask under torch's dropout, the seed under lora_dropout's kernels (seeded), else neither."""
-    mask = seed = None
-    seeded = seeded and dropout > 0 and x2.is_contiguous() and x2.numel() <= lora_dropout.MAX_ELEMENTS
-    if seeded:  # the mask is drawn from the seed in each kernel that needs it (finetune/perf/lora_dropout.py)
-        seed = lora_dropout.new_seed(x2.device)
-        low_rank = lora_dropout.dropped_low_rank(x2, lora_a, seed, dropout)
-    elif dropout > 0:
-        dropped, mask = torch.native_dropout(x2, dropout, True)
-        low_rank = dropped @ lora_a.t()
-        del dropped  # rebuilt from x and the bool mask in backward, never kept
-    else:
-        low_rank = x2 @ lora_a.t()
-    return low_rank, mask, seed
-
-
-def adapter_backward(grad2, x2, lora_a, lora_b, low_rank, mask, seed, scaling: float, dropout: float,
-                     grad_x: torch.Tensor | None, need_a: bool, need_b: bool):
-    """(grad_a, grad_b) of the adapter whose adapter_forward gave low_rank, mask and seed, for its output's gradient
-    grad2 [tokens, out]; adds the adapter's share of x's gradient into grad_x in place when grad_x is given."""
-    keep_scale = 1.0 / (1.0 - dropout) if mask is not None else 1.0
-    grad_low = (grad2 @ lora_b).mul_(scaling)  # [tokens, r]: the gradient of drop(x)·Aᵀ
-    grad_a = None
-    if seed is not None:  # one pass through x and grad_x for both, the mask drawn once
-        if grad_x is not None or need_a:
-            grad_a = lora_dropout.dropped_backward(grad_low, lora_a, seed, dropout, grad_x=grad_x,
-                                                   x=x2 if need_a else None)
-    else:
-        if grad_x is not None:
-            if mask is None:
-                grad_x.addmm_(grad_low, lora_a)
-            else:
-                grad_x.add_(torch.ops.aten.native_dropout_backward(grad_low @ lora_a, mask, keep_scale))
-        if need_a:
-            dropped = x2 if mask is None else torch.ops.aten.native_dropout_backward(x2, mask, keep_scale)
-            grad_a = grad_low.t() @ dropped
-    grad_b = (grad2.t() @ low_rank).mul_(scaling) if need_b else None
-    return grad_a, grad_b
-
-
 class LoraLinearFunction(torch.autograd.Function):
     """y = x·Wᵀ (+ bias) + scaling·(drop(x)·Aᵀ)·Bᵀ for a frozen W; gradients for x, A and B."""
 
@@ -82,7 +41,17 @@ class LoraLinearFunction(torch.autograd.Function):
             y = fp8.fp8_linear(x, *fp8.frozen_weight(weight, w_scale, quantize), quantize)
             if bias is not None:
                 y += bias.to(y.dtype)
-        low_rank, mask, seed = adapter_forward(x2, lora_a, dropout, seeded)
+        mask = seed = None
+        seeded = seeded and dropout > 0 and x2.is_contiguous() and x2.numel() <= lora_dropout.MAX_ELEMENTS
+        if seeded:  # the mask is drawn from the seed in each kernel that needs it (finetune/perf/lora_dropout.py)
+            seed = lora_dropout.new_seed(x.device)
+            low_rank = lora_dropout.dropped_low_rank(x2, lora_a, seed, dropout)
+        elif dropout > 0:
+            dropped, mask = torch.native_dropout(x2, dropout, True)
+            low_rank = dropped @ lora_a.t()
+            del dropped  # rebuilt from x and the bool mask in backward, never kept
+        else:
+            low_rank = x2 @ lora_a.t()
         y.addmm_(low_rank, lora_b.t(), alpha=scaling)
         ctx.save_for_backward(x, weight, lora_a, lora_b, low_rank, mask, seed, w_scale)
         ctx.scaling, ctx.dropout, ctx.quantize = scaling, dropout, quantize
@@ -93,15 +62,33 @@ class LoraLinearFunction(torch.autograd.Function):
         x, weight, lora_a, lora_b, low_rank, mask, seed, w_scale = ctx.saved_tensors
         x2 = x.reshape(-1, x.shape[-1])
         grad2 = grad_out.reshape(-1, grad_out.shape[-1])
+        keep_scale = 1.0 / (1.0 - ctx.dropout) if mask is not None else 1.0
+        grad_low = (grad2 @ lora_b).mul_(ctx.scaling)  # [tokens, r]: the gradient of drop(x)·Aᵀ
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = (grad2 @ weight if ctx.quantize is None
                       else fp8.fp8_input_grad(grad2, *fp8.frozen_weight(weight, w_scale, ctx.quantize), ctx.quantize))
-        grad_a, grad_b = adapter_backward(grad2, x2, lora_a, lora_b, low_rank, mask, seed, ctx.scaling, ctx.dropout,
-                                          grad_x, ctx.needs_input_grad[3], ctx.needs_input_grad[4])
+        grad_a = None
+        if seed is not None:  # one pass through x and grad_x for both, the mask drawn once
+            if grad_x is not None or ctx.needs_input_grad[3]:
+                grad_a = lora_dropout.dropped_backward(grad_low, lora_a, seed, ctx.dropout, grad_x=grad_x,
+                                                       x=x2 if ctx.needs_input_grad[3] else None)
+        else:
+            if grad_x is not None:
+                if mask is None:
+                    grad_x.addmm_(grad_low, lora_a)
+                else:
+                    grad_x.add_(torch.ops.aten.native_dropout_backward(grad_low @ lora_a, mask, keep_scale))
+            if ctx.needs_input_grad[3]:
+                dropped = x2 if mask is None else torch.ops.aten.native_dropout_backward(x2, mask, keep_scale)
+                grad_a = grad_low.t() @ dropped
         if grad_x is not None:
             grad_x = grad_x.view(x.shape)
+        grad_b = None
+        if ctx.needs_input_grad[4]:
+            grad_b = (grad2.t() @ low_rank).mul_(ctx.scaling)
         return grad_x, None, None, grad_a, grad_b, None, None, None, None, None
+
 
 
 def _fusable(layer, x: torch.Tensor, args, kwargs) -> bool:
@@ -135,11 +122,8 @@ def fused_class():
 
     class FusedLoraLinear(Linear):
         seeded_dropout = False  # set per layer by install_fused_lora (lora.dropout_kernel)
-        joint = None  # q, k and v's joint_qkv.output where finetune/perf/joint_qkv.py joined them
 
         def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-            if self.joint is not None and not args and not kwargs and (out := self.joint(self, x)) is not None:
-                return out
             if not _fusable(self, x, args, kwargs):
                 return super().forward(x, *args, **kwargs)
             name = self.active_adapters[0]

@@ -71,9 +71,8 @@ def test_two_ranks_under_zero2_and_zero3_give_the_losses_of_one(runs, kind, stag
     for world in ("w1", "w2"):  # the FP8 path ran: equal losses cannot come from two bf16 runs
         with open(runs["tmp"] / world / name / "speedups.json") as f:
             on = {s["name"]: s["on"] for s in json.load(f)}
-        # LoRA's q, k and v as one FP8 GEMM (finetune/perf/joint_qkv.py), under ZeRO-3 with whole-layer gathers
-        assert on["fp8"] is True and on["joint_qkv"] is (kind == "lora")
-        assert on["layer_gather"] is (kind == "lora" and stage == 3)
+        # LoRA under ZeRO-3 gathers whole layers (finetune/perf/layer_gather.py) under FP8 too
+        assert on["fp8"] is True and on["layer_gather"] is (kind == "lora" and stage == 3)
 
 
 @pytest.mark.parametrize("name", ["lora-zero2", "lora-zero3", "full-zero2", "full-zero3"])

@@ -88,9 +88,9 @@ def model_dir(tmp_path_factory):
 
 
 def _recipe(model_dir: str, *overrides: str) -> Recipe:
-    # LoRA on attention only: a plain down_proj, so the fused MLP applies too; q, k and v, which FP8 then joins
+    # LoRA on attention only: a plain down_proj, so the fused MLP applies too
     return load_recipe(TINY_RECIPE, [f"model.path={model_dir}", "model.activation_checkpointing=none",
-                                     "lora.target_modules=[q_proj,k_proj,v_proj]", "lora.rank=4", *overrides])
+                                     "lora.target_modules=[q_proj,v_proj]", "lora.rank=4", *overrides])
 
 
 def _build(model_dir: str, *overrides: str):
@@ -118,8 +118,6 @@ def _marks(model) -> set[str]:
             found.add("fused_lora")
             if m.seeded_dropout:
                 found.add("lora_dropout_kernel")
-            if m.joint is not None:
-                found.add("joint_qkv")
         if isinstance(m, _LossHead):
             found.add("fused_loss")
     if attention.installed(model):
@@ -160,8 +158,8 @@ def test_the_table_lists_every_switch_with_its_off_value():
         hint = hints[section][key]
         assert isinstance(s.off, str) if hint is str else s.off in (typing.get_args(hint) or (True, False)), s
         assert perf.switch_value(Recipe(), s.switch) != s.off, f"{s.name} is off in the default recipe"
-    assert MODEL_NAMES == ["liger", "fp8", "fused_lora", "lora_dropout_kernel", "joint_qkv", "fused_mlp", "tiled_mlp",
-                           "fused_loss", "flex_attention"]
+    assert MODEL_NAMES == ["liger", "fp8", "fused_lora", "lora_dropout_kernel", "fused_mlp", "tiled_mlp", "fused_loss",
+                           "flex_attention"]
 
 
 def test_all_on_applies_each_in_order_and_the_model_carries_exactly_those(model_dir, usable):
@@ -181,9 +179,7 @@ def test_a_switch_turned_off_removes_that_speed_up_only(model_dir, usable, name)
     off = f"{s.switch}={str(s.off).lower() if isinstance(s.off, bool) else repr(s.off)}"
     model, recipe = _build(model_dir, *ALL_ON, off)
     applied = perf.apply(model, recipe, STAGE2_FP32)
-    # the dropout kernels are fused LoRA's; the joint q/k/v is fused LoRA's over FP8 bases
-    gone = {name} | ({"lora_dropout_kernel", "joint_qkv"} if name == "fused_lora" else set())
-    gone |= {"joint_qkv"} if name == "fp8" else set()
+    gone = {name, "lora_dropout_kernel"} if name == "fused_lora" else {name}  # the dropout kernels are fused LoRA's
     assert applied == [n for n in MODEL_NAMES if n not in gone]
     assert _marks(model) == set(applied)
     if name == "fused_loss":
@@ -232,7 +228,7 @@ def test_report_lists_every_speed_up_with_its_switch(model_dir):
     assert {r["switch"] for r in records} == {"model.kernels", "model.precision", "lora.fused", "lora.dropout_kernel", "model.fused_mlp",
                                               "model.tiled_mlp", "model.fused_loss", "model.attn_implementation",
                                               "train.share_prompt", "optim.overflow_check",
-                                              "lora.zero3_layer_gather", "lora.joint_qkv"}
+                                              "lora.zero3_layer_gather"}
     assert [r["name"] for r in records if r["on"]] == ["fused_mlp", "overflow_check"]
     assert not any(r["on"] for r in perf.report(recipe, []))
     with pytest.raises(ValueError, match="unknown speed-up"):

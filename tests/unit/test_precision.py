@@ -16,7 +16,6 @@ from finetune import perf
 from finetune.config import ConfigError, load_recipe
 from finetune.perf import fp8, precision
 from finetune.perf.fused_lora import install_fused_lora
-from tests.fixtures.fp8_reference import ReferenceFp8, ref_forward, ref_input_grad
 from tests.fixtures.fused_lora_checks import TARGETS, loss_and_grads, peft_mistral, rel_err
 from tests.helpers import TINY_RECIPE
 
@@ -30,11 +29,45 @@ def _ids(seed=1):
     return torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(seed))
 
 
+def _ref_quantize(t):
+    """Row-wise e4m3 as the reference does it, written apart from the module."""
+    t = t.float()
+    scale = t.abs().amax(-1, keepdim=True).clamp(min=1e-12) * (1 / 448.0)
+    return (t / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+
+def _ref_forward(x, weight):
+    """x·Wᵀ with x quantized per token and W per output row, in fp32."""
+    w_q, w_s = _ref_quantize(weight)
+    x_q, x_s = _ref_quantize(x)
+    return ((x_q.float() * x_s) @ (w_q.float() * w_s).t()).to(x.dtype)
+
+
+def _ref_input_grad(grad_y, weight):
+    """grad_x = quantize(grad_y·diag(s_W))·W_q, in fp32."""
+    w_q, w_s = _ref_quantize(weight)
+    g_q, g_s = _ref_quantize(grad_y.float() * w_s.t())
+    return ((g_q.float() * g_s) @ w_q.float()).to(grad_y.dtype)
+
+
+class _ReferenceFp8(torch.autograd.Function):
+    """The frozen base: _ref_forward, and only x's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(weight)
+        return _ref_forward(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        return _ref_input_grad(grad_y, *ctx.saved_tensors), None
+
+
 def _reference_model(model):
     """The peft model with each base layer's forward the plain reference above."""
     for name, layer in model.named_modules():
         if name.endswith(".base_layer"):  # the adapted projections' frozen base; lm_head stays as it is
-            layer.forward = lambda x, w=layer.weight: ReferenceFp8.apply(x, w)
+            layer.forward = lambda x, w=layer.weight: _ReferenceFp8.apply(x, w)
     return model
 
 
@@ -96,13 +129,13 @@ class _ReferenceFp8Trained(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
         ctx.save_for_backward(x, weight)
-        return ref_forward(x, weight)
+        return _ref_forward(x, weight)
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
         g2, x2 = grad_y.reshape(-1, grad_y.shape[-1]), x.reshape(-1, x.shape[-1])
-        return ref_input_grad(grad_y, weight), (g2.t() @ x2).to(weight.dtype)
+        return _ref_input_grad(grad_y, weight), (g2.t() @ x2).to(weight.dtype)
 
 
 def _tiny_full():
